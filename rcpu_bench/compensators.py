@@ -1,0 +1,183 @@
+"""Closed-form compensation of a pruned linear module from streamed input statistics.
+
+Notation of the paper (§2): W (d_out × d_in), inputs X (d_in × N), dense output Y = W X, kept
+columns K, dropped columns D, pruned output Z = W_K X_K. With G = Σ x xᵀ = X Xᵀ and s = Σ x:
+
+    Y X_Kᵀ = W G[:,K]        M = Y Zᵀ = W G[:,K] W_Kᵀ        ‖Z‖_F² = tr(W_K G_KK W_Kᵀ)
+
+G is a *sum* over the N calibration tokens (not a mean), as in the paper and the official code, so
+the ridge λ has the paper's meaning. Every compensator takes (W, stats, kept, pruned) and returns a
+``Compensation``: the new kept weight W̃_K (d_out × |K|), an optional bias, and diagnostics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from rcpu_bench.stats import ActivationStats
+
+# The paper's λ grid: 10^-6 … 10^6, 13 values.
+LAMBDA_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-6, 7))
+
+
+@dataclass
+class Compensation:
+    """A compensated module: weight over the kept columns, optional output bias, and diagnostics."""
+
+    weight: Tensor
+    bias: Tensor | None = None
+    info: dict[str, float] = field(default_factory=dict)
+
+
+def _dtype(name: str) -> torch.dtype:
+    allowed = {"float64": torch.float64, "float32": torch.float32}
+    if name not in allowed:
+        raise ValueError(f"unknown compute dtype {name!r}; allowed: {', '.join(allowed)}")
+    return allowed[name]
+
+
+class Problem:
+    """One module's compensation problem in float64 on the statistics' device, with shared products cached."""
+
+    def __init__(self, weight: Tensor, stats: ActivationStats, kept: Tensor):
+        if weight.shape[1] != stats.d_in:
+            raise ValueError(f"weight has {weight.shape[1]} input columns but the statistics have d_in={stats.d_in}")
+        self.weight, self.stats, self.kept = weight, stats, kept.to(stats.device)
+        self.w = weight.detach().to(device=stats.device, dtype=torch.float64)
+        self.wk = self.w[:, self.kept]
+
+    @cached_property
+    def wg(self) -> Tensor:
+        """W G (d_out × d_in); its columns K are Y X_Kᵀ = W G[:,K]."""
+        return self.w @ self.stats.require_gram()
+
+    @cached_property
+    def yxk(self) -> Tensor:
+        """Y X_Kᵀ = W G[:,K]."""
+        return self.wg[:, self.kept]
+
+    @cached_property
+    def gkk(self) -> Tensor:
+        """X_K X_Kᵀ = G_KK."""
+        return self.stats.require_gram()[self.kept][:, self.kept]
+
+    def error(self, new_weight: Tensor, bias: Tensor | None = None) -> float:
+        """‖Y − W̃_K X_K − b 1ᵀ‖_F² over the calibration tokens, from G and Σx alone.
+
+        = tr(W G Wᵀ) − 2 tr(W G[:,K] W̃_Kᵀ) + tr(W̃_K G_KK W̃_Kᵀ) − 2 bᵀ(W s − W̃_K s_K) + N‖b‖².
+        """
+        w_new = new_weight.detach().to(device=self.stats.device, dtype=torch.float64)
+        err = (self.wg * self.w).sum() - 2 * (self.yxk * w_new).sum() + ((w_new @ self.gkk) * w_new).sum()
+        if bias is not None:
+            b, s = bias.detach().to(device=self.stats.device, dtype=torch.float64), self.stats.sum
+            err = err - 2 * b @ (self.w @ s - w_new @ s[self.kept]) + self.stats.n * b @ b
+        return float(err.clamp_min(0))
+
+    def result(self, new_weight: Tensor, bias: Tensor | None = None, **info: float) -> Compensation:
+        """Cast back to the module's dtype/device, reject non-finite values, record the objective before/after."""
+        if not torch.isfinite(new_weight).all() or (bias is not None and not torch.isfinite(bias).all()):
+            raise FloatingPointError("compensation produced NaN or infinite weights")
+        cast = lambda t: t.to(device=self.weight.device, dtype=self.weight.dtype)  # noqa: E731
+        out = Compensation(cast(new_weight), cast(bias) if bias is not None else None, dict(info))
+        if self.stats.gram is not None:
+            out.info["objective_before"] = self.error(self.wk)
+            out.info["objective_after"] = self.error(new_weight, bias)
+        return out
+
+
+def calibration_error(weight: Tensor, stats: ActivationStats, kept: Tensor, new_weight: Tensor,
+                      bias: Tensor | None = None) -> float:
+    """‖Y − W̃_K X_K − b 1ᵀ‖_F² for a compensated module (see ``Problem.error``)."""
+    return Problem(weight, stats, kept).error(new_weight, bias)
+
+
+def none(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor) -> Compensation:
+    """No compensation: W̃_K = W_K (plain structured pruning)."""
+    problem = Problem(weight, stats, kept)
+    return problem.result(problem.wk)
+
+
+def flap_bias(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor) -> Compensation:
+    """FLAP bias compensation: W̃_K = W_K and b = W_D μ_D, the dropped columns' output at the mean input."""
+    problem = Problem(weight, stats, kept)
+    pruned = pruned.to(stats.device)
+    return problem.result(problem.wk, problem.w[:, pruned] @ stats.mean[pruned])
+
+
+def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *, lam: float = 1e-4,
+          dtype: str = "float64") -> Compensation:
+    """Ridge least squares W* = (Y X_Kᵀ + λ W_K)(X_K X_Kᵀ + λ I)⁻¹ (paper eq. astar), by Cholesky.
+
+    Minimises ‖Y − W* X_K‖_F² + λ‖W* − W_K‖_F² (eq. err_A); G is a sum over tokens, so λ is the paper's.
+    """
+    if lam < 0:
+        raise ValueError(f"ridge lam={lam} must be >= 0")
+    compute, problem = _dtype(dtype), Problem(weight, stats, kept)
+    eye = torch.eye(len(problem.kept), dtype=compute, device=stats.device)
+    factor, fail = torch.linalg.cholesky_ex(problem.gkk.to(compute) + lam * eye)
+    if fail:
+        raise ValueError(f"G_KK + λI is not positive definite at lam={lam} (too few calibration tokens?); "
+                         "use a larger lam")
+    # W* A = B with A symmetric  <=>  A W*ᵀ = Bᵀ.
+    new_weight = torch.cholesky_solve((problem.yxk + lam * problem.wk).to(compute).T, factor).T
+    return problem.result(new_weight, **{"lambda": lam})
+
+
+def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
+               lams: Sequence[float] = LAMBDA_GRID, dtype: str = "float64") -> list[Compensation]:
+    """Ridge solutions for a whole λ grid from one eigendecomposition G_KK = V diag(e) Vᵀ.
+
+    W*(λ) = (W G[:,K] V + λ W_K V) diag(1/(e + λ)) Vᵀ: one matmul per λ after the shared eigh.
+    """
+    if not lams or any(lam < 0 for lam in lams):
+        raise ValueError(f"ridge lams {list(lams)} must be a non-empty list of values >= 0")
+    compute, problem = _dtype(dtype), Problem(weight, stats, kept)
+    evals, evecs = torch.linalg.eigh(problem.gkk.to(compute))
+    yxk_v, wk_v = problem.yxk.to(compute) @ evecs, problem.wk.to(compute) @ evecs
+    results = []
+    for lam in lams:
+        denom = evals + lam
+        if not (denom > 0).all():
+            raise ValueError(f"G_KK + λI is singular at lam={lam}; use a larger lam")
+        results.append(problem.result(((yxk_v + lam * wk_v) / denom) @ evecs.T, **{"lambda": lam}))
+    return results
+
+
+def rotation(problem: Problem, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Orthogonal Procrustes Q* = U Vᵀ with M = Y Zᵀ = W G[:,K] W_Kᵀ = U Σ Vᵀ (paper eq. procrustes_sol).
+
+    Returns (Q, singular values Σ) in the compute dtype. Q may be a reflection (det −1), as in the paper.
+    """
+    m = problem.yxk.to(dtype) @ problem.wk.to(dtype).T
+    u, sigma, vh = torch.linalg.svd(m, full_matrices=False)
+    return u @ vh, sigma
+
+
+def _rotation_info(q: Tensor) -> dict[str, float]:
+    eye = torch.eye(q.shape[0], dtype=q.dtype, device=q.device)
+    return {"orthogonality_error": float((q.T @ q - eye).norm()), "det_sign": float(torch.linalg.det(q).sign())}
+
+
+def procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
+               dtype: str = "float64") -> Compensation:
+    """RCPU rotation: W̃_K = Q* W_K with Q* = argmin_{QᵀQ=I} ‖Y − Q Z‖_F (paper eqs. procrustes_obj, wk_update)."""
+    compute, problem = _dtype(dtype), Problem(weight, stats, kept)
+    q, _ = rotation(problem, compute)
+    return problem.result(q @ problem.wk.to(compute), **_rotation_info(q))
+
+
+def scaled_procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
+                      dtype: str = "float64") -> Compensation:
+    """RCPU rotation + scale: W̃_K = s* Q* W_K with s* = tr(Σ) / ‖Z‖_F² (paper eq. scaled_sol)."""
+    compute, problem = _dtype(dtype), Problem(weight, stats, kept)
+    q, sigma = rotation(problem, compute)
+    z_norm2 = ((problem.wk @ problem.gkk) * problem.wk).sum()
+    if not z_norm2 > 0:
+        raise ValueError("‖Z‖_F² = 0: the kept columns carry no calibration signal, the scale is undefined")
+    scale = float(sigma.sum() / z_norm2)
+    return problem.result(scale * q @ problem.wk.to(compute), scale=scale, **_rotation_info(q))

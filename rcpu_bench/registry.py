@@ -1,0 +1,164 @@
+"""The method registry: every scorer and compensator, built-in or third-party, found through pluggy.
+
+Plugins are loaded from the ``rcpu_bench`` entry-point group (the built-ins included), and each
+hook implementation is called with a ``register`` bound to its provider, so duplicate names can be
+reported with both providers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Literal
+
+import pluggy
+import torch
+
+from rcpu_bench import hookspecs
+
+Kind = Literal["scorer", "compensator"]
+NEEDS = ("moments", "gram")
+_HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "compensator": "register_compensators"}
+
+
+class PluginContractError(RuntimeError):
+    """A plugin's method returned something that breaks the harness's contract."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered scorer or compensator with its one-line description and parameters."""
+
+    kind: Kind
+    name: str
+    fn: Callable[..., Any]
+    provider: str
+    needs: str = "moments"
+    description: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def check_params(self, params: dict[str, Any]) -> None:
+        unknown = sorted(set(params) - set(self.params))
+        if unknown:
+            allowed = ", ".join(self.params) or "none"
+            raise ValueError(f"{self.kind} {self.name!r} has no parameter(s) {', '.join(unknown)}; allowed: {allowed}")
+
+    def __call__(self, weight: torch.Tensor, stats, *indices: torch.Tensor, **params: Any):
+        """Run the method and check its result against the contract (shapes, finiteness)."""
+        self.check_params(params)
+        result = self.fn(weight, stats, *indices, **params)
+        check = _check_scores if self.kind == "scorer" else _check_compensation
+        problem = check(result, weight, *indices)
+        if problem:
+            raise PluginContractError(f"{self.kind} {self.name!r} from {self.provider} {problem}")
+        return result
+
+
+def _check_scores(scores: Any, weight: torch.Tensor) -> str | None:
+    if not isinstance(scores, torch.Tensor) or scores.shape != (weight.shape[1],):
+        return f"returned {_describe(scores)}, expected a tensor of shape ({weight.shape[1]},)"
+    if not torch.isfinite(scores).all():
+        return "returned NaN or infinite scores"
+    return None
+
+
+def _check_compensation(result: Any, weight: torch.Tensor, kept: torch.Tensor, pruned: torch.Tensor) -> str | None:
+    expected = (weight.shape[0], len(kept))
+    if not hasattr(result, "weight") or not isinstance(result.weight, torch.Tensor):
+        return f"returned {_describe(result)}, expected a Compensation"
+    if tuple(result.weight.shape) != expected:
+        return f"returned a weight of shape {tuple(result.weight.shape)}, expected {expected}"
+    if result.bias is not None and tuple(result.bias.shape) != (weight.shape[0],):
+        return f"returned a bias of shape {tuple(result.bias.shape)}, expected ({weight.shape[0]},)"
+    if not torch.isfinite(result.weight).all() or (result.bias is not None and not torch.isfinite(result.bias).all()):
+        return "returned NaN or infinite weights"
+    return None
+
+
+def _describe(obj: Any) -> str:
+    return f"a tensor of shape {tuple(obj.shape)}" if isinstance(obj, torch.Tensor) else type(obj).__name__
+
+
+def _parameters(fn: Callable[..., Any]) -> dict[str, Any]:
+    """Keyword-only parameters with their defaults."""
+    return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+
+
+class Registry:
+    """Lookup of registered methods by kind and name."""
+
+    def __init__(self) -> None:
+        self._methods: dict[Kind, dict[str, Method]] = {kind: {} for kind in _HOOKS}
+
+    def add(self, kind: Kind, name: str, fn: Callable[..., Any], provider: str, *, needs: str = "moments",
+            description: str | None = None) -> None:
+        if needs not in NEEDS:
+            raise ValueError(f"{kind} {name!r} from {provider}: needs={needs!r}; allowed: {', '.join(NEEDS)}")
+        existing = self._methods[kind].get(name)
+        if existing:
+            raise ValueError(f"duplicate {kind} name {name!r}: registered by {existing.provider} and by {provider}")
+        summary = description or (inspect.getdoc(fn) or "").split("\n")[0]
+        self._methods[kind][name] = Method(kind, name, fn, provider, needs, summary, _parameters(fn))
+
+    def registrar(self, kind: Kind, provider: str) -> Callable[..., None]:
+        """The ``register`` callable handed to one plugin's hook."""
+        def register(name: str, fn: Callable[..., Any], *, needs: str = "moments", description: str | None = None):
+            self.add(kind, name, fn, provider, needs=needs, description=description)
+        return register
+
+    def get(self, kind: Kind, name: str) -> Method:
+        if kind not in self._methods:
+            raise ValueError(f"unknown method kind {kind!r}; allowed: {', '.join(self._methods)}")
+        try:
+            return self._methods[kind][name]
+        except KeyError:
+            known = ", ".join(sorted(self._methods[kind])) or "none"
+            raise KeyError(f"unknown {kind} {name!r}; registered {kind}s: {known}") from None
+
+    def scorer(self, name: str) -> Method:
+        return self.get("scorer", name)
+
+    def compensator(self, name: str) -> Method:
+        return self.get("compensator", name)
+
+    def methods(self, kind: Kind) -> list[Method]:
+        return sorted(self._methods[kind].values(), key=lambda m: m.name)
+
+
+def plugin_manager(extra_plugins: Iterable[tuple[str, object]] = (), *, entry_points: bool = True) -> pluggy.PluginManager:
+    """A plugin manager with the entry-point plugins (the built-ins included) and any extra (name, plugin)."""
+    pm = pluggy.PluginManager("rcpu_bench")
+    pm.add_hookspecs(hookspecs)
+    if entry_points:
+        pm.load_setuptools_entrypoints("rcpu_bench")
+    for name, plugin in extra_plugins:
+        pm.register(plugin, name=name)
+    return pm
+
+
+def _provider(pm: pluggy.PluginManager, plugin_name: str) -> str:
+    plugin = pm.get_plugin(plugin_name)
+    for registered, dist in pm.list_plugin_distinfo():
+        if registered is plugin:
+            return f"{plugin_name} ({dist.project_name} {dist.version})"
+    return plugin_name
+
+
+def build_registry(pm: pluggy.PluginManager) -> Registry:
+    """Call every plugin's hooks with a ``register`` bound to that plugin's name."""
+    registry = Registry()
+    for kind, hook_name in _HOOKS.items():
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            impl.function(register=registry.registrar(kind, _provider(pm, impl.plugin_name)))
+    if not registry.methods("scorer") or not registry.methods("compensator"):
+        raise RuntimeError("no scorers or compensators are registered: the 'rcpu_bench' entry points were not "
+                           "found. Install the package (pip install -e .) so its built-in plugin is registered.")
+    return registry
+
+
+@lru_cache(maxsize=1)
+def default_registry() -> Registry:
+    """The registry of all installed plugins (built once per process)."""
+    return build_registry(plugin_manager())
