@@ -66,13 +66,24 @@ class Problem:
         """X_K X_Kᵀ = G_KK."""
         return self.stats.require_gram()[self.kept][:, self.kept]
 
+    @cached_property
+    def y_norm2(self) -> Tensor:
+        """‖Y‖_F² = tr(W G Wᵀ)."""
+        return (self.wg * self.w).sum()
+
+    @cached_property
+    def z_norm2(self) -> Tensor:
+        """‖Z‖_F² = tr(W_K G_KK W_Kᵀ)."""
+        return ((self.wk @ self.gkk) * self.wk).sum()
+
     def error(self, new_weight: Tensor, bias: Tensor | None = None) -> float:
         """‖Y − W̃_K X_K − b 1ᵀ‖_F² over the calibration tokens, from G and Σx alone.
 
         = tr(W G Wᵀ) − 2 tr(W G[:,K] W̃_Kᵀ) + tr(W̃_K G_KK W̃_Kᵀ) − 2 bᵀ(W s − W̃_K s_K) + N‖b‖².
         """
         w_new = new_weight.detach().to(device=self.stats.device, dtype=torch.float64)
-        err = (self.wg * self.w).sum() - 2 * (self.yxk * w_new).sum() + ((w_new @ self.gkk) * w_new).sum()
+        quadratic = self.z_norm2 if new_weight is self.wk else ((w_new @ self.gkk) * w_new).sum()
+        err = self.y_norm2 - 2 * (self.yxk * w_new).sum() + quadratic
         if bias is not None:
             b, s = bias.detach().to(device=self.stats.device, dtype=torch.float64), self.stats.sum
             err = err - 2 * b @ (self.w @ s - w_new @ s[self.kept]) + self.stats.n * b @ b
@@ -109,6 +120,14 @@ def flap_bias(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tens
     return problem.result(problem.wk, problem.w[:, pruned] @ stats.mean[pruned])
 
 
+def _require_definite(failed: bool, spectrum: Tensor, lam: float) -> None:
+    """Refuse a numerically singular G_KK + λI: its smallest pivot/eigenvalue must exceed k·eps·largest."""
+    tolerance = len(spectrum) * torch.finfo(spectrum.dtype).eps * spectrum.abs().max()
+    if failed or not (spectrum > tolerance).all():
+        raise ValueError(f"G_KK + λI is singular at lam={lam} (fewer independent calibration tokens than kept "
+                         "columns?); use a larger lam")
+
+
 def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *, lam: float = 1e-4,
           dtype: str = "float64") -> Compensation:
     """Ridge least squares W* = (Y X_Kᵀ + λ W_K)(X_K X_Kᵀ + λ I)⁻¹ (paper eq. astar), by Cholesky.
@@ -120,9 +139,8 @@ def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, 
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
     eye = torch.eye(len(problem.kept), dtype=compute, device=stats.device)
     factor, fail = torch.linalg.cholesky_ex(problem.gkk.to(compute) + lam * eye)
-    if fail:
-        raise ValueError(f"G_KK + λI is not positive definite at lam={lam} (too few calibration tokens?); "
-                         "use a larger lam")
+    pivots = factor.diagonal().square()
+    _require_definite(bool(fail) or not torch.isfinite(pivots).all(), pivots, lam)
     # W* A = B with A symmetric  <=>  A W*ᵀ = Bᵀ.
     new_weight = torch.cholesky_solve((problem.yxk + lam * problem.wk).to(compute).T, factor).T
     return problem.result(new_weight, **{"lambda": lam})
@@ -142,8 +160,7 @@ def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Ten
     results = []
     for lam in lams:
         denom = evals + lam
-        if not (denom > 0).all():
-            raise ValueError(f"G_KK + λI is singular at lam={lam}; use a larger lam")
+        _require_definite(False, denom, lam)
         results.append(problem.result(((yxk_v + lam * wk_v) / denom) @ evecs.T, **{"lambda": lam}))
     return results
 
@@ -176,8 +193,7 @@ def scaled_procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, prun
     """RCPU rotation + scale: W̃_K = s* Q* W_K with s* = tr(Σ) / ‖Z‖_F² (paper eq. scaled_sol)."""
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
     q, sigma = rotation(problem, compute)
-    z_norm2 = ((problem.wk @ problem.gkk) * problem.wk).sum()
-    if not z_norm2 > 0:
+    if not problem.z_norm2 > 0:
         raise ValueError("‖Z‖_F² = 0: the kept columns carry no calibration signal, the scale is undefined")
-    scale = float(sigma.sum() / z_norm2)
+    scale = float(sigma.sum() / problem.z_norm2)
     return problem.result(scale * q @ problem.wk.to(compute), scale=scale, **_rotation_info(q))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,13 +27,17 @@ class Selection:
 
 
 def n_pruned(n_units: int, ratio: float, rounding: Rounding = "floor") -> int:
-    """Units to prune at ratio ρ: ⌊ρ·n⌋ (the official code) or ⌈ρ·n⌉ (the paper's text)."""
-    if not 0.0 <= ratio < 1.0 or math.isnan(ratio):
+    """Units to prune at ratio ρ: ⌊ρ·n⌋ (the official code) or ⌈ρ·n⌉ (the paper's text).
+
+    ρ·n is computed exactly from ρ's decimal form, so 0.29·100 gives 29 (binary floating point says 28.999…).
+    """
+    if math.isnan(ratio) or not 0.0 <= ratio < 1.0:
         raise ValueError(f"pruning ratio {ratio!r} is outside the allowed range [0, 1)")
+    exact = Fraction(str(ratio)) * n_units
     if rounding == "floor":
-        count = math.floor(ratio * n_units)
+        count = math.floor(exact)
     elif rounding == "ceil":
-        count = math.ceil(ratio * n_units)
+        count = math.ceil(exact)
     else:
         raise ValueError(f"unknown rounding {rounding!r}; allowed: 'floor', 'ceil'")
     if count >= n_units:
@@ -53,6 +58,15 @@ def select_by_score(scores: Tensor, ratio: float, rounding: Rounding = "floor") 
     return Selection(kept=order[count:].sort().values, pruned=order[:count].sort().values)
 
 
-def select_all(n_units: int, device: torch.device | str | None = None) -> Selection:
-    """Keep every unit (a module that is not pruned)."""
-    return Selection(torch.arange(n_units, device=device), torch.empty(0, dtype=torch.long, device=device))
+def select_within_groups(scores: Tensor, group_size: int, ratio: float, rounding: Rounding = "floor") -> Selection:
+    """Prune the same number of lowest-scoring units inside every contiguous group of ``group_size``.
+
+    The GQA "query" rule: each key/value group keeps all its k/v rows and loses n_pruned(group_size)
+    of its query heads, so every group still serves the same number of query heads.
+    """
+    if scores.numel() % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the {scores.numel()} units")
+    picks = [select_by_score(group, ratio, rounding) for group in scores.reshape(-1, group_size)]
+    offset = lambda g, idx: idx + g * group_size  # noqa: E731
+    return Selection(torch.cat([offset(g, p.kept) for g, p in enumerate(picks)]),
+                     torch.cat([offset(g, p.pruned) for g, p in enumerate(picks)]))

@@ -1,0 +1,232 @@
+"""ActivationStats against direct float64 statistics of a materialised activation matrix X (d_in × N)."""
+
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import rcpu_bench.stats as stats_module
+from rcpu_bench.stats import ActivationStats, collect_input_stats
+
+F64 = torch.float64
+
+
+def make_X(d_in: int, n_tokens: int, seed: int, offset: float = 0.5) -> torch.Tensor:
+    """Calibration inputs X (d_in × N) with per-channel scales and non-zero means, so E[x] ≠ 0."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(d_in, 1, generator=g, dtype=F64) * 2 + 0.1
+    means = (torch.rand(d_in, 1, generator=g, dtype=F64) - 0.5) * 2 * offset
+    return torch.randn(d_in, n_tokens, generator=g, dtype=F64) * scales + means
+
+
+def stats_of(X: torch.Tensor, with_gram: bool = True) -> ActivationStats:
+    """Statistics of X (d_in × N) fed as one batch of N tokens (token-major, as a module sees them)."""
+    return ActivationStats.from_activations(X.T, with_gram=with_gram)
+
+
+def assert_same_stats(a: ActivationStats, b: ActivationStats) -> None:
+    assert a.n == b.n
+    for name in ("sum", "abs_sum", "sq_sum"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-12, atol=1e-10)
+    assert (a.gram is None) == (b.gram is None)
+    if a.gram is not None:
+        torch.testing.assert_close(a.gram, b.gram, rtol=1e-12, atol=1e-10)
+
+
+shapes = st.tuples(st.integers(1, 7), st.integers(2, 30), st.integers(0, 10_000))
+
+
+# --- moments against direct computation -------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(shapes)
+def test_moments_match_direct_computation(shape):
+    d_in, n_tokens, seed = shape
+    X = make_X(d_in, n_tokens, seed)
+    s = stats_of(X)
+    x = X.numpy()
+    assert s.n == n_tokens and s.d_in == d_in
+    np.testing.assert_allclose(s.mean.numpy(), x.mean(axis=1), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(s.mean_abs.numpy(), np.abs(x).mean(axis=1), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(s.l2_norm.numpy(), np.sqrt((x * x).sum(axis=1)), rtol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes)
+def test_variance_is_population_variance(shape):
+    d_in, n_tokens, seed = shape
+    X = make_X(d_in, n_tokens, seed)
+    np.testing.assert_allclose(stats_of(X).variance.numpy(), np.var(X.numpy(), axis=1, ddof=0), rtol=1e-9, atol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes)
+def test_sample_variance_is_unbiased_variance(shape):
+    d_in, n_tokens, seed = shape
+    X = make_X(d_in, n_tokens, seed)
+    np.testing.assert_allclose(stats_of(X).sample_variance.numpy(), np.var(X.numpy(), axis=1, ddof=1),
+                               rtol=1e-9, atol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes)
+def test_gram_is_X_Xt(shape):
+    d_in, n_tokens, seed = shape
+    X = make_X(d_in, n_tokens, seed)
+    x = X.numpy()
+    np.testing.assert_allclose(stats_of(X).gram.numpy(), x @ x.T, rtol=1e-12, atol=1e-10)
+
+
+def test_constant_channel_has_zero_variance_not_negative():
+    X = torch.full((3, 50), 0.1, dtype=F64)
+    s = stats_of(X)
+    assert (s.variance >= 0).all()
+    torch.testing.assert_close(s.variance, torch.zeros(3, dtype=F64), atol=1e-15, rtol=0)
+
+
+def test_stats_are_float64_for_low_precision_inputs():
+    X = make_X(4, 20, seed=1)
+    s = ActivationStats.from_activations(X.T.to(torch.float32))
+    assert s.sum.dtype == s.gram.dtype == F64
+    x32 = X.to(torch.float32).to(F64)
+    torch.testing.assert_close(s.gram, x32 @ x32.T, rtol=1e-12, atol=1e-10)
+
+
+def test_without_gram_keeps_moments_only():
+    X = make_X(5, 12, seed=2)
+    s = stats_of(X, with_gram=False)
+    assert s.gram is None
+    np.testing.assert_allclose(s.mean.numpy(), X.numpy().mean(axis=1), rtol=1e-12)
+
+
+def test_without_gram_require_gram_raises_clear_error():
+    s = stats_of(make_X(3, 10, seed=3), with_gram=False)
+    with pytest.raises(ValueError, match="Gram"):
+        s.require_gram()
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+def test_empty_stats_refuse_mean_and_variance():
+    s = ActivationStats.empty(4)
+    for prop in ("mean", "mean_abs", "variance"):
+        with pytest.raises(ValueError, match="no calibration tokens"):
+            getattr(s, prop)
+
+
+def test_sample_variance_needs_two_tokens():
+    s = stats_of(make_X(3, 1, seed=4))
+    with pytest.raises(ValueError, match="N=1"):
+        s.sample_variance
+
+
+def test_update_rejects_wrong_width():
+    s = ActivationStats.empty(4)
+    with pytest.raises(ValueError, match="5"):
+        s.update(torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("other", [ActivationStats.empty(5), ActivationStats.empty(4, with_gram=False)])
+def test_merge_rejects_different_width_or_kind(other):
+    with pytest.raises(ValueError, match="cannot merge"):
+        ActivationStats.empty(4).merge(other)
+
+
+# --- streaming --------------------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.lists(st.integers(1, 9), min_size=1, max_size=8), st.integers(0, 10_000))
+def test_many_small_batches_equal_one_big_batch(d_in, batch_sizes, seed):
+    X = make_X(d_in, sum(batch_sizes), seed)
+    streamed = ActivationStats.empty(d_in)
+    start = 0
+    for size in batch_sizes:
+        streamed.update(X[:, start:start + size].T)
+        start += size
+    assert_same_stats(streamed, stats_of(X))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 40), st.integers(1, 5), st.integers(0, 10_000))
+def test_chunked_update_equals_unchunked(d_in, n_tokens, chunk, seed):
+    X = make_X(d_in, n_tokens, seed)
+    with mock.patch.object(stats_module, "CHUNK_TOKENS", chunk):
+        chunked = stats_of(X)
+    x = X.numpy()
+    assert chunked.n == n_tokens
+    np.testing.assert_allclose(chunked.gram.numpy(), x @ x.T, rtol=1e-12, atol=1e-10)
+    np.testing.assert_allclose(chunked.sum.numpy(), x.sum(axis=1), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(chunked.abs_sum.numpy(), np.abs(x).sum(axis=1), rtol=1e-12)
+    np.testing.assert_allclose(chunked.sq_sum.numpy(), (x * x).sum(axis=1), rtol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 30), st.data())
+def test_merge_of_two_halves_equals_one_big_batch(d_in, n_tokens, data):
+    X = make_X(d_in, n_tokens, data.draw(st.integers(0, 10_000)))
+    cut = data.draw(st.integers(1, n_tokens - 1))
+    first, second = stats_of(X[:, :cut]), stats_of(X[:, cut:])
+    first.merge(second)
+    assert_same_stats(first, stats_of(X))
+
+
+def test_merge_without_gram_equals_one_big_batch():
+    X = make_X(4, 20, seed=5)
+    first, second = stats_of(X[:, :7], with_gram=False), stats_of(X[:, 7:], with_gram=False)
+    first.merge(second)
+    assert_same_stats(first, stats_of(X, with_gram=False))
+
+
+def test_batched_3d_input_is_flattened_over_batch_and_sequence():
+    X = make_X(5, 24, seed=6)
+    batch = X.T.reshape(3, 8, 5)  # (batch, seq, d_in), tokens in the same order as X's columns
+    assert_same_stats(ActivationStats.from_activations(batch), stats_of(X))
+
+
+# --- collect_input_stats on a real nn.Linear --------------------------------------------------------
+
+def linear(d_in: int, d_out: int, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(d_in, d_out, bias=False, dtype=F64)
+
+
+def test_collect_input_stats_on_linear_equals_one_big_batch():
+    layer = linear(6, 4, seed=7)
+    batches = [make_X(6, 2 * 5, seed=s).T.reshape(2, 5, 6) for s in range(4)]  # (batch, seq, d_in) each
+    with torch.no_grad(), collect_input_stats({"proj": layer}) as collected:
+        for batch in batches:
+            layer(batch)
+    X = torch.cat([b.reshape(-1, 6) for b in batches]).T  # d_in × N
+    assert_same_stats(collected["proj"], stats_of(X))
+
+
+def test_collect_input_stats_removes_hooks_on_exit():
+    layer = linear(3, 2, seed=8)
+    with torch.no_grad():
+        with collect_input_stats({"proj": layer}) as collected:
+            layer(torch.ones(1, 4, 3, dtype=F64))
+        layer(torch.ones(1, 4, 3, dtype=F64))
+    assert collected["proj"].n == 4
+    assert not layer._forward_pre_hooks
+
+
+def test_collect_input_stats_gram_only_for_named_modules():
+    up, down = linear(4, 6, seed=9), linear(6, 4, seed=10)
+    x = make_X(4, 10, seed=11).T.reshape(2, 5, 4)
+    with torch.no_grad(), collect_input_stats({"up": up, "down": down}, with_gram=["down"]) as collected:
+        down(up(x))
+    assert collected["up"].gram is None
+    h = up(x).detach().reshape(-1, 6).T
+    torch.testing.assert_close(collected["down"].gram, h @ h.T, rtol=1e-12, atol=1e-10)
+    assert collected["up"].n == collected["down"].n == 10
+
+
+def test_collect_input_stats_without_gram():
+    layer = linear(3, 2, seed=12)
+    with torch.no_grad(), collect_input_stats({"proj": layer}, with_gram=False) as collected:
+        layer(torch.ones(2, 3, dtype=F64))
+    assert collected["proj"].gram is None and collected["proj"].n == 2
