@@ -1,0 +1,319 @@
+"""Calibration data: token windows drawn from one token stream (the RCPU / SparseGPT / FLAP protocol).
+
+The official code (``lib/data.py``) tokenizes the source once and draws windows at uniform offsets::
+
+    ids = tokenizer(text).input_ids
+    random.seed(seed)
+    for _ in range(n_samples):
+        i = random.randint(0, len(ids) - seqlen - 1)
+        window = ids[i : i + seqlen]
+
+A source is a list of documents, each tokenized with the tokenizer's own special tokens and the
+results concatenated into the stream. A one-document source (WikiText-2 train joined with a single
+space, a ``.txt`` file) is therefore tokenized exactly as the reference does, with the one BOS the
+tokenizer adds. A many-document source (TinyStories, a ``.jsonl`` file) gets a BOS before every
+document, as llama2.c laid out the stories stories260K was trained on; windows may span a document
+boundary, BOS included.
+
+Token streams and windows are cached in memory only, keyed by everything that changes them: the
+tokenizer (name and a hash of its vocabulary and special-token behaviour), the source, its split or
+range and the sha256 of the file read (the official code keyed its cached inputs by model name only
+and silently reused stale ones).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from rcpu_bench import paths
+
+DEFAULT_N_SAMPLES = 128
+DEFAULT_SEQLEN = 128
+DEFAULT_SEED = 0
+# Calibration uses stories 0–499; 500–999 are held out for evaluation.
+TINYSTORIES_CALIB = (0, 500)
+TINYSTORIES_FILE = Path("tinystories") / "validation_first1000.jsonl"
+WIKITEXT_DATASET = ("wikitext", "wikitext-2-raw-v1")
+# How the reference code joins the dataset rows of each split.
+WIKITEXT_JOIN = {"train": " ", "test": "\n\n"}
+SPEC_FORM = "SOURCE[:NxSEQLEN][:seed=S], e.g. wikitext2:128x128"
+_PROBE = "Hello world"
+
+
+@dataclass(frozen=True)
+class SourceText:
+    """The documents of a source, with where they came from."""
+
+    source: str
+    split: str
+    origin: str
+    sha256: str
+    documents: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CalibSpec:
+    """What to calibrate on: ``n_samples`` windows of ``seqlen`` tokens from ``source``, drawn with ``seed``."""
+
+    source: str = "wikitext2"
+    n_samples: int = DEFAULT_N_SAMPLES
+    seqlen: int = DEFAULT_SEQLEN
+    seed: int = DEFAULT_SEED
+
+    def __post_init__(self) -> None:
+        _match_source(self.source)
+        if self.n_samples < 1:
+            raise ValueError(f"calibration n_samples must be at least 1, got {self.n_samples}")
+        if self.seqlen < 1:
+            raise ValueError(f"calibration seqlen must be at least 1, got {self.seqlen}")
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.n_samples}x{self.seqlen}:seed={self.seed}"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where calibration windows came from, to be stored with every result."""
+
+    source: str
+    split: str
+    origin: str
+    sha256: str
+    n_tokens: int
+    n_samples: int
+    seqlen: int
+    seed: int
+
+    def as_dict(self) -> dict[str, str | int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CalibData:
+    """Calibration windows, a LongTensor (n_samples, seqlen), and their provenance."""
+
+    tokens: Tensor
+    provenance: Provenance
+
+
+# --------------------------------------------------------------------------------------------- sources
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _data_dir(data_dir: Path | str | None) -> Path:
+    return Path(data_dir) if data_dir is not None else paths.data_dir()
+
+
+def _offline() -> bool:
+    return any(os.environ.get(var, "").upper() in {"1", "ON", "YES", "TRUE"}
+               for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def wikitext2_text(data_dir: Path | str | None = None, split: str = "train") -> SourceText:
+    """WikiText-2-raw ``split`` as one document, its rows joined as the reference does (train " ", test "\\n\\n").
+
+    The local file ``<data_dir>/wikitext-2-raw-v1/wiki.{split}.raw`` (the original release, one row per
+    line) is read first, its rows rebuilt as ``datasets`` yields them: a blank line is the row "", any
+    other line keeps its "\\n". Without it, the split is loaded with ``datasets`` unless offline.
+    """
+    if split not in WIKITEXT_JOIN:
+        raise ValueError(f"unknown WikiText-2 split {split!r}; allowed: {', '.join(WIKITEXT_JOIN)}")
+    path = _data_dir(data_dir) / WIKITEXT_DATASET[1] / f"wiki.{split}.raw"
+    if path.is_file():
+        with open(path, encoding="utf-8") as f:
+            rows = [row if row.strip() else "" for row in f]
+        return SourceText("wikitext2", split, str(path), sha256_file(path), (WIKITEXT_JOIN[split].join(rows),))
+    return _wikitext2_online(split, path)
+
+
+def _wikitext2_online(split: str, missing: Path) -> SourceText:
+    hint = "use --calib tinystories or --calib file:PATH" if split == "train" else "use the tinystories profile"
+    unavailable = (f"the WikiText-2-raw {split} split is not available offline: {missing} does not exist "
+                   f"and the Hugging Face hub cannot be used; {hint}, or put the split's file there")
+    if _offline():
+        raise FileNotFoundError(unavailable + " (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)")
+    import datasets
+
+    try:
+        rows = datasets.load_dataset(*WIKITEXT_DATASET, split=split)["text"]
+    except Exception as err:
+        raise FileNotFoundError(f"{unavailable} ({type(err).__name__}: {err})") from err
+    text = WIKITEXT_JOIN[split].join(rows)
+    origin = f"datasets:{'/'.join(WIKITEXT_DATASET)}/{split}"
+    return SourceText("wikitext2", split, origin, hashlib.sha256(text.encode()).hexdigest(), (text,))
+
+
+def tinystories_text(data_dir: Path | str | None = None, stories: tuple[int, int] = TINYSTORIES_CALIB) -> SourceText:
+    """The TinyStories validation stories with ``start <= idx < stop``, one document each."""
+    start, stop = stories
+    if not 0 <= start < stop:
+        raise ValueError(f"TinyStories range [{start}:{stop}] is empty or negative; expected 0 <= START < STOP")
+    path = _data_dir(data_dir) / TINYSTORIES_FILE
+    rows = _read_jsonl(path, ("idx", "text"))
+    documents = tuple(row["text"] for row in rows if start <= row["idx"] < stop)
+    if len(documents) != stop - start:
+        raise ValueError(f"TinyStories range [{start}:{stop}] asks for {stop - start} stories but {path} has "
+                         f"{len(documents)} of them ({len(rows)} stories in all)")
+    return SourceText("tinystories", f"validation[{start}:{stop}]", str(path), sha256_file(path), documents)
+
+
+def file_text(path: Path | str) -> SourceText:
+    """A user corpus: a ``.txt`` file is one document; a ``.jsonl`` file has one per line, in its "text" field."""
+    path = Path(path)
+    if path.suffix == ".txt":
+        documents = (path.read_text(encoding="utf-8"),)
+    elif path.suffix == ".jsonl":
+        documents = tuple(row["text"] for row in _read_jsonl(path, ("text",)))
+    else:
+        raise ValueError(f"calibration file {path} has suffix {path.suffix!r}; allowed: .txt, .jsonl")
+    return SourceText(f"file:{path}", "file", str(path), sha256_file(path), documents)
+
+
+def _read_jsonl(path: Path, fields: tuple[str, ...]) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                row = json.loads(line)
+                missing = [name for name in fields if name not in row]
+                if missing:
+                    raise ValueError(f"{path}, line {number}: no field(s) {', '.join(missing)}; "
+                                     f"each line needs {', '.join(fields)}")
+                rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class _Source:
+    form: str
+    pattern: re.Pattern[str]
+    load: Callable[[re.Match[str], Path | str | None], SourceText]
+
+
+SOURCES: dict[str, _Source] = {
+    "wikitext2": _Source("wikitext2 (WikiText-2-raw train)", re.compile(r"wikitext2"),
+                         lambda m, data_dir: wikitext2_text(data_dir, "train")),
+    "tinystories": _Source(
+        "tinystories[START:STOP] (TinyStories validation stories START..STOP-1; default [0:500])",
+        re.compile(r"tinystories(?:\[(\d+):(\d+)\])?"),
+        lambda m, data_dir: tinystories_text(data_dir, (int(m[1]), int(m[2])) if m[1] else TINYSTORIES_CALIB)),
+    "file": _Source("file:PATH (a .txt or .jsonl corpus)", re.compile(r"file:(.+)"),
+                    lambda m, data_dir: file_text(m[1])),
+}
+
+
+def _match_source(source: str) -> tuple[_Source, re.Match[str]]:
+    for entry in SOURCES.values():
+        if match := entry.pattern.fullmatch(source):
+            return entry, match
+    allowed = "; ".join(entry.form for entry in SOURCES.values())
+    raise ValueError(f"unknown calibration source {source!r}; allowed: {allowed}")
+
+
+def load_source(source: str, data_dir: Path | str | None = None) -> SourceText:
+    """The documents of a source named as in a spec: ``wikitext2``, ``tinystories[0:500]``, ``file:PATH``."""
+    entry, match = _match_source(source)
+    return entry.load(match, data_dir)
+
+
+_SPEC = re.compile(r"(?P<source>.+?)(?::(?P<n>\d+)x(?P<seqlen>\d+))?(?::seed=(?P<seed>\d+))?")
+
+
+def parse_calib(text: str) -> CalibSpec:
+    """``SOURCE[:NxSEQLEN][:seed=S]`` → CalibSpec; omitted parts take the defaults (128 × 128, seed 0)."""
+    match = _SPEC.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"empty calibration spec {text!r}; expected {SPEC_FORM}")
+    number = lambda name, default: int(match[name]) if match[name] is not None else default  # noqa: E731
+    try:
+        return CalibSpec(match["source"], number("n", DEFAULT_N_SAMPLES), number("seqlen", DEFAULT_SEQLEN),
+                         number("seed", DEFAULT_SEED))
+    except ValueError as err:
+        raise ValueError(f"bad calibration spec {text!r}: {err}; expected {SPEC_FORM}") from None
+
+
+# ------------------------------------------------------------------------------------ tokens and windows
+
+_DOCUMENT_TOKENS: dict[tuple, tuple[Tensor, ...]] = {}
+_WINDOWS: dict[tuple, Tensor] = {}
+
+
+def clear_cache() -> None:
+    """Forget every cached token stream and window tensor."""
+    _DOCUMENT_TOKENS.clear()
+    _WINDOWS.clear()
+
+
+def tokenizer_fingerprint(tokenizer) -> tuple[str, str]:
+    """(name_or_path, sha256 of the vocabulary and of the ids of a probe text: it changes with BOS/EOS settings)."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+    probe = json.dumps(tokenizer(_PROBE)["input_ids"])
+    return tokenizer.name_or_path, hashlib.sha256((vocab + probe).encode()).hexdigest()
+
+
+def _stream_key(source: SourceText, tokenizer) -> tuple:
+    return (tokenizer_fingerprint(tokenizer), source.source, source.split, source.sha256)
+
+
+def _tokenize(key: tuple, source: SourceText, tokenizer) -> tuple[Tensor, ...]:
+    if key not in _DOCUMENT_TOKENS:
+        ids = tokenizer(list(source.documents), verbose=False)["input_ids"]
+        _DOCUMENT_TOKENS[key] = tuple(torch.tensor(doc, dtype=torch.long) for doc in ids)
+    return _DOCUMENT_TOKENS[key]
+
+
+def tokenize_documents(source: SourceText, tokenizer) -> tuple[Tensor, ...]:
+    """Each document's token ids, special tokens included (cached; treat the tensors as read-only)."""
+    return _tokenize(_stream_key(source, tokenizer), source, tokenizer)
+
+
+def token_stream(source: SourceText, tokenizer) -> Tensor:
+    """The source's documents tokenized and concatenated into one stream of ids."""
+    return torch.cat(tokenize_documents(source, tokenizer))
+
+
+def sample_windows(ids: Tensor, n_samples: int, seqlen: int, seed: int) -> Tensor:
+    """``n_samples`` windows ``ids[i:i+seqlen]``, ``i = randint(0, len(ids) - seqlen - 1)`` after seeding with ``seed``.
+
+    A private ``random.Random(seed)`` draws the same offsets as the reference's ``random.seed(seed)``.
+    """
+    if len(ids) < seqlen + 1:
+        raise ValueError(f"calibration seqlen {seqlen} needs a token stream of at least {seqlen + 1} tokens; "
+                         f"the stream has {len(ids)}")
+    rng = random.Random(seed)
+    starts = [rng.randint(0, len(ids) - seqlen - 1) for _ in range(n_samples)]
+    return torch.stack([ids[i : i + seqlen] for i in starts])
+
+
+def calibration_data(spec: CalibSpec | str, tokenizer, *, data_dir: Path | str | None = None,
+                     max_positions: int | None = None) -> CalibData:
+    """Calibration windows for ``spec`` (a CalibSpec or a spec string), checked against the model's context.
+
+    ``max_positions`` is the model's ``config.max_position_embeddings``: a longer seqlen is an error.
+    """
+    spec = parse_calib(spec) if isinstance(spec, str) else spec
+    if max_positions is not None and spec.seqlen > max_positions:
+        raise ValueError(f"calibration seqlen {spec.seqlen} exceeds the model's max_position_embeddings "
+                         f"{max_positions}; use a seqlen of at most {max_positions}")
+    source = load_source(spec.source, data_dir)
+    key = _stream_key(source, tokenizer)
+    stream = torch.cat(_tokenize(key, source, tokenizer))
+    window_key = (key, spec.n_samples, spec.seqlen, spec.seed)
+    if window_key not in _WINDOWS:
+        _WINDOWS[window_key] = sample_windows(stream, spec.n_samples, spec.seqlen, spec.seed)
+    provenance = Provenance(spec.source, source.split, source.origin, source.sha256, len(stream),
+                            spec.n_samples, spec.seqlen, spec.seed)
+    return CalibData(_WINDOWS[window_key].clone(), provenance)

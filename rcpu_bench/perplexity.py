@@ -1,0 +1,158 @@
+"""Perplexity under named evaluation profiles (methods-spec §3.5); the profile is recorded with every result.
+
+A profile turns a dataset into independent token sequences. A sequence x_1..x_T is scored on its
+T − 1 shifted targets, with no context carried between sequences, and over all sequences
+
+    ppl = exp( Σ_seq Σ_{t=2..T} −log p(x_t | x_<t)  /  Σ_seq (T − 1) ).
+
+In the windowed profiles every sequence has the same length, so this equals the official code's
+exp(mean over windows of each window's mean NLL).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from rcpu_bench import data
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A perplexity protocol. ``seqlen`` is capped by the model's ``max_position_embeddings``."""
+
+    name: str
+    dataset: str
+    seqlen: int
+    description: str
+    stories: tuple[int, int] | None = None
+
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (
+    Profile("rcpu128", "wikitext2-test", 128,
+            'WikiText-2-raw test, "\\n\\n".join, tokenized once, non-overlapping 128-token windows, remainder '
+            "dropped (RCPU / FLAP / LLM-Pruner)"),
+    Profile("std2048", "wikitext2-test", 2048,
+            "as rcpu128 with 2048-token windows, or max_position_embeddings if smaller (SparseGPT / Wanda / SliceGPT)"),
+    Profile("tinystories", "tinystories", 512,
+            "TinyStories validation stories, each its own sequence: BOS + story, truncated to 512 tokens; "
+            "tinystories[START:STOP] selects stories by idx (e.g. [500:1000], held out from calibration)",
+            stories=(0, 1000)),
+)}
+
+_RANGED = re.compile(r"(?P<name>\w+)\[(?P<start>\d+):(?P<stop>\d+)\]")
+
+
+def get_profile(name: str) -> Profile:
+    """The registered profile ``name``; a story profile also takes ``name[START:STOP]``."""
+    match = _RANGED.fullmatch(name)
+    base = PROFILES.get(match["name"] if match else name)
+    if base is None:
+        raise KeyError(f"unknown perplexity profile {name!r}; allowed: {', '.join(PROFILES)}, tinystories[START:STOP]")
+    if match is None:
+        return base
+    if base.stories is None:
+        raise ValueError(f"perplexity profile {base.name!r} takes no story range (got {name!r})")
+    return replace(base, name=name, stories=(int(match["start"]), int(match["stop"])))
+
+
+def _wikitext_windows(profile: Profile, tokenizer, data_dir: Path | str | None,
+                      seqlen: int) -> tuple[list[Tensor], data.SourceText]:
+    """The test stream (one BOS at its start) cut into ⌊N / seqlen⌋ non-overlapping windows."""
+    source = data.wikitext2_text(data_dir, "test")
+    stream = data.token_stream(source, tokenizer)
+    n_windows = len(stream) // seqlen
+    return list(stream[: n_windows * seqlen].view(n_windows, seqlen)), source
+
+
+def _story_sequences(profile: Profile, tokenizer, data_dir: Path | str | None,
+                     seqlen: int) -> tuple[list[Tensor], data.SourceText]:
+    """One sequence per story: BOS + story tokens, truncated to seqlen."""
+    source = data.tinystories_text(data_dir, profile.stories)
+    return [ids[:seqlen] for ids in data.tokenize_documents(source, tokenizer)], source
+
+
+_DATASETS: dict[str, Callable[..., tuple[list[Tensor], data.SourceText]]] = {
+    "wikitext2-test": _wikitext_windows,
+    "tinystories": _story_sequences,
+}
+
+
+def _pad(batch: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Right-pad to the longest sequence: (input ids, attention mask). Right padding keeps positions 0..T−1."""
+    longest = max(len(ids) for ids in batch)
+    input_ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros(len(batch), longest, dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, : len(ids)] = ids
+        mask[row, : len(ids)] = 1
+    return input_ids, mask
+
+
+def _shifted_labels(input_ids: Tensor, mask: Tensor) -> Tensor:
+    """labels[t] = x_{t+1}; the last position and targets that are padding are ignored."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:, :-1] = input_ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+    return labels
+
+
+def sequence_nll(model: nn.Module, sequences: list[Tensor], *, batch_size: int = 8,
+                 desc: str = "perplexity") -> tuple[float, int]:
+    """(Σ −log p(x_t | x_<t) over every sequence's shifted targets, number of targets), summed in float64.
+
+    Sequences are scored longest first (less padding) in batches of ``batch_size``, right-padded, with
+    padding masked out of attention and ignored as targets, so the result does not depend on the batch size.
+    """
+    sequences = sorted(sequences, key=len, reverse=True)
+    device = model.device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    n_targets = sum(max(len(ids) - 1, 0) for ids in sequences)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in tqdm(range(0, len(sequences), batch_size), desc=desc, unit="batch", disable=None):
+                input_ids, mask = _pad(sequences[start : start + batch_size])
+                labels = _shifted_labels(input_ids, mask).to(device)
+                logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+                nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                      reduction="none")
+                total += nll.sum(dtype=torch.float64)
+    finally:
+        model.train(was_training)
+    return total.item(), n_targets
+
+
+def perplexity(model: nn.Module, tokenizer, profile: str = "rcpu128", *, batch_size: int = 8,
+               data_dir: Path | str | None = None, max_windows: int | None = None) -> dict[str, str | int | float]:
+    """Perplexity of ``model`` under ``profile`` (see PROFILES), with the protocol recorded in the result.
+
+    ``max_windows`` scores only the first that many windows (or stories). The result holds the profile,
+    dataset, seqlen used, number of windows, predicted tokens, ppl = exp(nll_mean), the dataset file's
+    sha256 and the batch size.
+    """
+    chosen = get_profile(profile)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be at least 1 or None, got {max_windows}")
+    seqlen = min(chosen.seqlen, model.config.max_position_embeddings)
+    sequences, source = _DATASETS[chosen.dataset](chosen, tokenizer, data_dir, seqlen)
+    sequences = sequences[:max_windows]
+    if not sequences:
+        raise ValueError(f"profile {chosen.name!r}: {source.origin} gives no sequence of {seqlen} tokens")
+    nll, n_tokens = sequence_nll(model, sequences, batch_size=batch_size, desc=f"ppl {chosen.name}")
+    nll_mean = nll / n_tokens
+    return {"profile": chosen.name, "dataset": f"{source.source}/{source.split}", "seqlen": seqlen,
+            "n_windows": len(sequences), "n_tokens": n_tokens, "ppl": math.exp(nll_mean), "nll_mean": nll_mean,
+            "dataset_sha256": source.sha256, "batch_size": batch_size}
