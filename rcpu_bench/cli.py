@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
+from typing import Any
 
 from tabulate import tabulate
 
+from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, default_model, run_experiment
+from rcpu_bench.pipeline import MODULES, PruneConfig
+from rcpu_bench.records import append_record
 from rcpu_bench.registry import default_registry
 
 
@@ -21,15 +26,117 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _params(pairs: list[str]) -> dict[str, Any]:
+    """key=value pairs; values are Python literals where they parse (1e-3, 'l2', True), else strings."""
+    params = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"rcpu-bench: bad parameter {pair!r}; expected key=value")
+        try:
+            params[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            params[key] = value
+    return params
+
+
+def _modules(text: str) -> tuple[str, ...]:
+    names = tuple(n for n in text.split(",") if n) if text != "none" else ()
+    bad = [n for n in names if n not in MODULES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown module(s) {bad}; allowed: {', '.join(MODULES)} or none")
+    return names
+
+
+def _summary(record: dict[str, Any]) -> str:
+    params = record["parameters"]
+    lines = [f"parameters: {params['before']:,} -> {params['after']:,} ({params['removed_fraction']:.2%} removed)",
+             f"pruning time: {sum(record['timing']['prune_seconds'].values()):.1f} s, "
+             f"peak memory {record['peak_memory_bytes'] / 2**20:.0f} MiB"]
+    lines += [f"ppl[{p['profile']}] = {p['ppl']:.4f}  ({p['n_windows']} windows, {p['n_tokens']:,} tokens, "
+              f"seqlen {p['seqlen']})" for p in record["perplexity"]]
+    return "\n".join(lines)
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    config = PruneConfig(scorer=args.scorer, compensator=args.compensator, ratio=args.ratio,
+                         scorer_params=_params(args.scorer_param), compensator_params=_params(args.compensator_param),
+                         rounding=args.rounding, prune=args.prune, compensate=args.compensate, gqa_rule=args.gqa_rule,
+                         head_aggregation=args.head_aggregation, statistics=args.statistics,
+                         structure=args.structure, recollect_mlp=args.recollect_mlp, offload=args.offload,
+                         batch_size=args.batch_size)
+    experiment = Experiment(model=args.model or default_model(), prune=config, calib=args.calib, ppl_profiles=tuple(args.ppl),
+                            revision=args.revision, dtype=args.dtype, device=args.device,
+                            eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
+    try:
+        experiment.validate(default_registry())
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"rcpu-bench: error: {message}", file=sys.stderr)
+        return 2
+    record = run_experiment(experiment, progress=not args.quiet)
+    print(_summary(record))
+    if args.out:
+        append_record(args.out, record)
+        print(f"record appended to {args.out}")
+    if args.save:
+        print(f"pruned model saved to {args.save}")
+    return 0
+
+
+def _add_prune_parser(commands) -> None:
+    p = commands.add_parser("prune", help="prune one model with one scorer x compensator and evaluate it",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", help="local model directory or Hugging Face hub id "
+                   "(default: the stories260K-mha fixture in the shared directory)")
+    p.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
+    p.add_argument("--dtype", default="float32", help="model dtype (the paper uses float32)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--scorer", default="variance", help="registered scorer (see `rcpu-bench plugins`)")
+    p.add_argument("--scorer-param", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--compensator", default="procrustes", help="registered compensator")
+    p.add_argument("--compensator-param", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--ratio", type=float, default=0.2, help="structural pruning ratio in [0, 1)")
+    p.add_argument("--rounding", default="floor", choices=["floor", "ceil"],
+                   help="units pruned: floor(ratio*n) (official code) or ceil (paper text)")
+    p.add_argument("--prune", type=_modules, default=MODULES, help="modules to prune: attention,mlp")
+    p.add_argument("--compensate", type=_modules, default=MODULES, help="pruned modules to compensate")
+    p.add_argument("--gqa-rule", default="group", choices=["group", "query"],
+                   help="group: prune whole key/value groups; query: the same number of query heads per group")
+    p.add_argument("--head-aggregation", default="sum", choices=["sum", "standardized-mean"])
+    p.add_argument("--statistics", default="sequential", choices=["sequential", "one-shot"],
+                   help="sequential: from the already pruned model (RCPU); one-shot: from the dense model (FLAP)")
+    p.add_argument("--structure", default="uniform", choices=["uniform", "al-am"],
+                   help="uniform ratio per layer, or FLAP's global adaptive structure")
+    p.add_argument("--recollect-mlp", action="store_true",
+                   help="re-collect down_proj statistics after attention is pruned (not RCPU's default)")
+    p.add_argument("--offload", action="store_true", help="keep only the current layer on the device")
+    p.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
+    p.add_argument("--calib", default=DEFAULT_CALIB,
+                   help="calibration data SOURCE[:NxSEQLEN][:seed=S]; sources wikitext2, tinystories, file:PATH")
+    p.add_argument("--ppl", action="append", default=None, metavar="PROFILE",
+                   help="perplexity profile(s): rcpu128, std2048, tinystories, tinystories[START:STOP] "
+                        "(default: rcpu128)")
+    p.add_argument("--eval-batch-size", type=int, default=8)
+    p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
+    p.add_argument("--save", metavar="DIR", help="save the pruned model (safetensors + shape manifest)")
+    p.add_argument("--out", metavar="JSONL", help="append the result record to this file")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_prune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rcpu-bench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("plugins", help="list registered scorers and compensators").set_defaults(func=cmd_plugins)
+    _add_prune_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "ppl", "unset") is None:
+        args.ppl = ["rcpu128"]
     return args.func(args)
 
 

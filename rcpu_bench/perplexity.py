@@ -66,23 +66,27 @@ def get_profile(name: str) -> Profile:
     return replace(base, name=name, stories=(int(match["start"]), int(match["stop"])))
 
 
-def _wikitext_windows(profile: Profile, tokenizer, data_dir: Path | str | None,
-                      seqlen: int) -> tuple[list[Tensor], data.SourceText]:
+def profile_source(name: str, data_dir: Path | str | None = None) -> data.SourceText:
+    """The text a profile evaluates on (raises a clear error when its data file is missing)."""
+    profile = get_profile(name)
+    if profile.dataset == "tinystories":
+        return data.tinystories_text(data_dir, profile.stories)
+    return data.wikitext2_text(data_dir, "test")
+
+
+def _wikitext_windows(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
     """The test stream (one BOS at its start) cut into ⌊N / seqlen⌋ non-overlapping windows."""
-    source = data.wikitext2_text(data_dir, "test")
     stream = data.token_stream(source, tokenizer)
     n_windows = len(stream) // seqlen
-    return list(stream[: n_windows * seqlen].view(n_windows, seqlen)), source
+    return list(stream[: n_windows * seqlen].view(n_windows, seqlen))
 
 
-def _story_sequences(profile: Profile, tokenizer, data_dir: Path | str | None,
-                     seqlen: int) -> tuple[list[Tensor], data.SourceText]:
+def _story_sequences(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
     """One sequence per story: BOS + story tokens, truncated to seqlen."""
-    source = data.tinystories_text(data_dir, profile.stories)
-    return [ids[:seqlen] for ids in data.tokenize_documents(source, tokenizer)], source
+    return [ids[:seqlen] for ids in data.tokenize_documents(source, tokenizer)]
 
 
-_DATASETS: dict[str, Callable[..., tuple[list[Tensor], data.SourceText]]] = {
+_DATASETS: dict[str, Callable[[data.SourceText, object, int], list[Tensor]]] = {
     "wikitext2-test": _wikitext_windows,
     "tinystories": _story_sequences,
 }
@@ -147,8 +151,8 @@ def perplexity(model: nn.Module, tokenizer, profile: str = "rcpu128", *, batch_s
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be at least 1 or None, got {max_windows}")
     seqlen = min(chosen.seqlen, model.config.max_position_embeddings)
-    sequences, source = _DATASETS[chosen.dataset](chosen, tokenizer, data_dir, seqlen)
-    sequences = sequences[:max_windows]
+    source = profile_source(profile, data_dir)
+    sequences = _DATASETS[chosen.dataset](source, tokenizer, seqlen)[:max_windows]
     if not sequences:
         raise ValueError(f"profile {chosen.name!r}: {source.origin} gives no sequence of {seqlen} tokens")
     nll, n_tokens = sequence_nll(model, sequences, batch_size=batch_size, desc=f"ppl {chosen.name}")

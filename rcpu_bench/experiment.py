@@ -1,0 +1,89 @@
+"""One pruning experiment end to end: load, calibrate, prune, evaluate, record (and optionally save)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rcpu_bench import data, perplexity
+from rcpu_bench.models import load_model, model_source, parameter_count, resolve_device, resolve_dtype
+from rcpu_bench.paths import shared_dir
+from rcpu_bench.persistence import save_pruned
+from rcpu_bench.pipeline import PruneConfig, prune_model
+from rcpu_bench.records import library_versions
+from rcpu_bench.registry import Registry, default_registry
+
+DEFAULT_MODEL = "stories260K-mha"  # resolved in the shared fixtures directory
+DEFAULT_CALIB = "tinystories:128x128"
+
+
+def default_model() -> str:
+    """The embedded default model: the shared stories260K-mha fixture."""
+    return str(shared_dir() / "models" / DEFAULT_MODEL)
+
+
+@dataclass
+class Experiment:
+    """What to prune and how to evaluate it; every field lands in the result record."""
+
+    model: str = field(default_factory=default_model)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    calib: str = DEFAULT_CALIB
+    ppl_profiles: tuple[str, ...] = ("rcpu128",)
+    revision: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    eval_batch_size: int = 8
+    data_dir: str | None = None
+    save_dir: str | None = None
+
+    def validate(self, registry: Registry) -> None:
+        """Every check that needs no model: names, ranges, paths and data files, before any work starts."""
+        self.prune.validate(registry)
+        resolve_dtype(self.dtype)
+        resolve_device(self.device)
+        model_source(self.model)
+        spec = data.parse_calib(self.calib)
+        data.load_source(spec.source, self.data_dir)
+        for profile in self.ppl_profiles:
+            perplexity.profile_source(profile, self.data_dir)
+        if self.save_dir and Path(self.save_dir).exists() and any(Path(self.save_dir).iterdir()):
+            raise FileExistsError(f"--save directory {self.save_dir} exists and is not empty")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_experiment(experiment: Experiment, *, registry: Registry | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run one experiment and return its result record."""
+    registry = registry or default_registry()
+    experiment.validate(registry)
+    started = time.perf_counter()
+    loaded = load_model(experiment.model, dtype=experiment.dtype, device=experiment.device, revision=experiment.revision)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    calib = data.calibration_data(experiment.calib, tokenizer, data_dir=experiment.data_dir,
+                                  max_positions=model.config.max_position_embeddings)
+    params_before = parameter_count(model)
+    report = prune_model(model, calib.tokens, experiment.prune, registry=registry, progress=progress)
+    params_after = parameter_count(model)
+    ppl = [perplexity.perplexity(model, tokenizer, profile, batch_size=experiment.eval_batch_size,
+                                 data_dir=experiment.data_dir) for profile in experiment.ppl_profiles]
+    record = {
+        "experiment": experiment.to_dict(),
+        "model_provenance": loaded.provenance,
+        "calibration": calib.provenance.as_dict(),
+        "versions": library_versions(),
+        "parameters": {"before": params_before, "after": params_after,
+                       "removed_fraction": 1 - params_after / params_before},
+        "perplexity": ppl,
+        "timing": {"total_seconds": time.perf_counter() - started, "prune_seconds": report.seconds,
+                   "layers": [{"layer": layer["layer"], **layer["seconds"]} for layer in report.layers]},
+        "layers": [{k: v for k, v in layer.items() if k != "seconds"} for layer in report.layers],
+        "peak_memory_bytes": report.peak_memory_bytes,
+    }
+    if experiment.save_dir:
+        save_pruned(model, experiment.save_dir, tokenizer=tokenizer, method=experiment.prune.to_dict(),
+                    provenance=loaded.provenance)
+    return record

@@ -1,0 +1,176 @@
+"""Loading LLaMA-family causal LMs and reading their (possibly pruned) structure.
+
+A supported model is any ``LlamaForCausalLM``-shaped decoder (Llama, Mistral, Qwen2, ...): decoder
+layers at ``model.model.layers``, each with ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``
+as ``nn.Linear``. Nothing here assumes a layer count, a head size or a model name: the per-layer
+geometry is read from the current weight shapes, because layers differ after pruning.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
+from transformers.utils.hub import cached_file, extract_commit_hash
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
+                                  "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEVICE = re.compile(r"^(cpu|mps|(cuda|xpu)(:\d+)?)$")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+SUPPORTED = ("LlamaForCausalLM-shaped decoders (Llama, Mistral, Qwen2, ...): model.model.layers[i] with "
+             "self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj as nn.Linear, and self_attn.head_dim / "
+             "self_attn.num_key_value_groups")
+
+
+@dataclass
+class LoadedModel:
+    """A model in eval mode, its tokenizer (None when none was saved with it), and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    provenance: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Head and channel counts of one decoder layer, read from its current weight shapes."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+def layer_geometry(layer: nn.Module, head_dim: int | None = None) -> LayerGeometry:
+    """The current geometry of a decoder layer whose heads are ``head_dim`` wide.
+
+    ``head_dim`` defaults to the attention module's own, which transformers sets from the config
+    exactly as ``config_head_dim`` does.
+    """
+    head_dim = layer.self_attn.head_dim if head_dim is None else head_dim
+    n_heads, n_kv_heads = head_counts(layer.self_attn, head_dim)
+    return LayerGeometry(n_heads, n_kv_heads, head_dim, layer.mlp.gate_proj.out_features)
+
+
+def head_counts(attn: nn.Module, head_dim: int) -> tuple[int, int]:
+    """(query heads, key/value heads) of an attention module, from its q_proj and k_proj output rows."""
+    counts = []
+    for name in ("q_proj", "k_proj"):
+        rows = getattr(attn, name).out_features
+        if rows % head_dim:
+            raise ValueError(f"{name} has {rows} output rows, not a multiple of head_dim={head_dim}")
+        counts.append(rows // head_dim)
+    return counts[0], counts[1]
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` (one of ``DTYPES``)."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device called ``name``: cpu, cuda, cuda:<index>, xpu, xpu:<index> or mps."""
+    if not isinstance(name, str) or not _DEVICE.match(name):
+        raise ValueError(f"unknown device {name!r}; allowed: cpu, cuda, cuda:<index>, xpu, xpu:<index>, mps")
+    return torch.device(name)
+
+
+def config_head_dim(config: PretrainedConfig) -> int:
+    """The attention head size: ``config.head_dim`` when set, else hidden_size // num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _architecture_problem(model: nn.Module) -> str | None:
+    """What makes ``model`` unsupported, or None."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        return "no decoder layers at model.model.layers"
+    for i, layer in enumerate(layers):
+        for block, names in (("self_attn", ATTENTION_PROJECTIONS), ("mlp", MLP_PROJECTIONS)):
+            module = getattr(layer, block, None)
+            missing = [n for n in names if not isinstance(getattr(module, n, None), nn.Linear)]
+            if missing:
+                return f"layer {i} has no nn.Linear {block}.{', '.join(missing)}"
+        if not all(hasattr(layer.self_attn, a) for a in ("head_dim", "num_key_value_groups")):
+            return f"layer {i}'s self_attn has no head_dim / num_key_value_groups attributes"
+    return None
+
+
+def check_architecture(model: nn.Module) -> None:
+    """Raise ValueError, naming the model class and what is supported, unless ``model`` is Llama-shaped."""
+    problem = _architecture_problem(model)
+    if problem:
+        raise ValueError(f"unsupported architecture {type(model).__name__}: {problem}; supported: {SUPPORTED}")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a supported model."""
+    check_architecture(model)
+    return model.model.layers
+
+
+def layer_geometries(model: PreTrainedModel) -> list[LayerGeometry]:
+    """The current geometry of every decoder layer."""
+    head_dim = config_head_dim(model.config)
+    return [layer_geometry(layer, head_dim) for layer in decoder_layers(model)]
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Number of unique parameters: a tensor shared by several modules (tied embeddings) counts once."""
+    return sum(p.numel() for p in model.parameters())  # parameters() yields each shared tensor once
+
+
+def model_source(name_or_path: str) -> str:
+    """The existing local directory or the Hub repo id ("org/name") that ``name_or_path`` means.
+
+    A name that looks like a path (absolute, relative with ./ or ../, ~, or more than one "/") but does
+    not exist raises FileNotFoundError instead of being tried on the Hub.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return str(path)
+    if name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1 or "\\" in name_or_path:
+        raise FileNotFoundError(f"model directory {name_or_path!r} does not exist")
+    return name_or_path
+
+
+def _check_supported(config: PretrainedConfig) -> None:
+    """Build a weightless (meta) skeleton of ``config``'s causal LM and check its shape."""
+    architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except ValueError:
+        raise ValueError(f"unsupported architecture {architecture}: no causal-LM model for this config; "
+                         f"supported: {SUPPORTED}") from None
+    check_architecture(skeleton)
+
+
+def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
+               revision: str | None = None) -> LoadedModel:
+    """Load a supported causal LM and its tokenizer, in eval mode, with provenance.
+
+    ``name_or_path`` is a local directory or a Hub repo id (``revision`` may pin a branch, tag or
+    commit). The architecture is checked on a weightless skeleton before any weights are read.
+    """
+    torch_dtype, torch_device, source = resolve_dtype(dtype), resolve_device(device), model_source(name_or_path)
+    commit = extract_commit_hash(cached_file(source, "config.json", revision=revision), None)
+    pinned = commit or revision  # config, weights and tokenizer all from the same commit
+    config = AutoConfig.from_pretrained(source, revision=pinned)
+    _check_supported(config)
+    model = AutoModelForCausalLM.from_pretrained(source, config=config, revision=pinned, dtype=torch_dtype)
+    model = model.to(torch_device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source, revision=pinned)
+    provenance = {"name_or_path": name_or_path, "revision": revision, "commit_hash": commit,
+                  "dtype": dtype, "device": device, "config_class": type(config).__name__,
+                  "model_class": type(model).__name__}
+    return LoadedModel(model, tokenizer, provenance)

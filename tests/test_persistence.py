@@ -1,0 +1,139 @@
+"""save_pruned / load_pruned: round trips, the manifest, atomic writes and corrupt directories."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import STORIES, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model, tokens
+
+from rcpu_bench.models import layer_geometries, load_model, parameter_count
+from rcpu_bench.persistence import MANIFEST, load_pruned, read_manifest, save_pruned
+
+
+def pruned_tiny(tie=True, rule="groups"):
+    model = tiny_model(tiny_config(tie=tie), attn="sdpa")
+    return apply_plan(model, random_plan(model, rule=rule, bias=True, seed=11))
+
+
+def leftovers(parent, name):
+    return [p.name for p in parent.iterdir() if p.name != name]
+
+
+@pytest.mark.parametrize("tie, rule", [(True, "groups"), (False, "within")])
+def test_round_trip_gives_identical_logits_and_counts(tmp_path, tie, rule):
+    model = pruned_tiny(tie, rule)
+    manifest = save_pruned(model, tmp_path / "pruned", method={"scorer": "variance", "ratio": 0.2})
+    assert sorted(p.name for p in (tmp_path / "pruned").iterdir()) == ["config.json", "model.safetensors", MANIFEST]
+    loaded = load_pruned(tmp_path / "pruned")
+    ids = tokens(model.config.vocab_size)
+    assert torch.equal(logits(loaded.model, ids), logits(model, ids))
+    assert manifest["parameter_count"] == parameter_count(model) == parameter_count(loaded.model)
+    assert loaded.provenance["parameter_count"] == parameter_count(model)
+    assert layer_geometries(loaded.model) == layer_geometries(model)
+    assert (loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight) == tie
+    assert loaded.tokenizer is None and not loaded.model.training
+    assert loaded.provenance["method"] == {"scorer": "variance", "ratio": 0.2}
+    assert read_manifest(tmp_path / "pruned") == manifest
+    assert leftovers(tmp_path, "pruned") == []
+
+
+def test_manifest_records_each_layer(tmp_path):
+    model = pruned_tiny()
+    manifest = save_pruned(model, tmp_path / "m")
+    assert manifest["format_version"] == 1 and len(manifest["layers"]) == 3
+    for record, geo, layer in zip(manifest["layers"], layer_geometries(model), model.model.layers):
+        assert (record["n_heads"], record["n_kv_heads"], record["intermediate"]) == (geo.n_heads, geo.n_kv_heads,
+                                                                                     geo.intermediate)
+        assert record["n_heads"] * 6 == layer.self_attn.o_proj.in_features
+        assert record["o_proj_bias"] and record["down_proj_bias"]
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["num_attention_heads"], config["intermediate_size"]) == (6, 20)  # the original config
+
+
+def test_load_pruned_in_float64(tmp_path):
+    model = pruned_tiny()
+    save_pruned(model, tmp_path / "m")
+    loaded = load_pruned(tmp_path / "m", dtype="float64").model
+    assert {p.dtype for p in loaded.parameters()} == {torch.float64}
+    ids = tokens(61)
+    torch.testing.assert_close(logits(loaded, ids).float(), logits(model, ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_load_pruned_onto_cuda(tmp_path):
+    model = pruned_tiny()
+    save_pruned(model, tmp_path / "m")
+    loaded = load_pruned(tmp_path / "m", device="cuda").model
+    assert {t.device.type for t in [*loaded.parameters(), *loaded.buffers()]} == {"cuda"}
+    ids = tokens(61)
+    torch.testing.assert_close(logits(loaded, ids.to("cuda")).cpu(), logits(model, ids), atol=1e-5, rtol=0)
+
+
+@needs_stories
+def test_stories_round_trip_with_tokenizer_and_provenance(tmp_path):
+    source = load_model(str(STORIES))
+    model = apply_plan(source.model, random_plan(source.model, rule="within", seed=2))
+    manifest = save_pruned(model, tmp_path / "s", tokenizer=source.tokenizer, provenance=source.provenance)
+    assert manifest["provenance"]["name_or_path"] == str(STORIES)
+    loaded = load_pruned(tmp_path / "s")
+    ids = torch.tensor([loaded.tokenizer("Once upon a time there was").input_ids])
+    assert torch.equal(logits(loaded.model, ids), logits(model, ids))
+    assert loaded.provenance["source"]["name_or_path"] == str(STORIES)
+
+
+# --- failures -----------------------------------------------------------------------------------
+
+def test_missing_manifest_and_unknown_version(tmp_path):
+    with pytest.raises(FileNotFoundError, match="rcpu_manifest.json not found"):
+        load_pruned(tmp_path)
+    save_pruned(pruned_tiny(), tmp_path / "m")
+    path = tmp_path / "m" / MANIFEST
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(ValueError, match="version 99; supported: 'rcpu-bench-pruned' version 1"):
+        load_pruned(tmp_path / "m")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["layers"][0].update(n_heads=5), "layer 0 is .* but the config builds"),
+    (lambda m: m["layers"][0].update(n_heads=3), "size mismatch for model.layers.0.self_attn.q_proj.weight"),
+    (lambda m: m["layers"][1].update(intermediate=21), "layer 1 .* does not fit the config"),
+    (lambda m: m["layers"].pop(), "describes 2 layers but the config has 3"),
+    (lambda m: m.update(parameter_count=1), "rebuilt model has .* parameters; the manifest says 1"),
+    (lambda m: m["layers"][2].update(intermediate=m["layers"][2]["intermediate"] - 1), "size mismatch"),
+])
+def test_corrupt_manifests_are_rejected(tmp_path, edit, message):
+    save_pruned(pruned_tiny(), tmp_path / "m")
+    path = tmp_path / "m" / MANIFEST
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        load_pruned(tmp_path / "m")
+
+
+def test_interrupted_save_leaves_nothing(tmp_path):
+    class BrokenTokenizer:
+        def save_pretrained(self, directory):
+            assert (directory / "model.safetensors").is_file()  # the weights were already written
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        save_pruned(pruned_tiny(), tmp_path / "m", tokenizer=BrokenTokenizer())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_directory_needs_overwrite(tmp_path):
+    first, second = pruned_tiny(rule="groups"), pruned_tiny(rule="within")
+    save_pruned(first, tmp_path / "m")
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        save_pruned(second, tmp_path / "m")
+    save_pruned(second, tmp_path / "m", overwrite=True)
+    assert layer_geometries(load_pruned(tmp_path / "m").model) == layer_geometries(second)
+    assert leftovers(tmp_path, "m") == []
+
+
+def test_non_json_method_fails_before_writing(tmp_path):
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        save_pruned(pruned_tiny(), tmp_path / "m", method={"dtype": torch.float32})
+    assert list(tmp_path.iterdir()) == []
