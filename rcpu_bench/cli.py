@@ -70,7 +70,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                             eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
     try:
         experiment.validate(default_registry())
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as error:
+    except (ValueError, KeyError, OSError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"rcpu-bench: error: {message}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rcpu_bench import data, perplexity
-from rcpu_bench.models import load_model, model_source, parameter_count, resolve_device, resolve_dtype
+from rcpu_bench.models import load_config, load_model, parameter_count, resolve_device, resolve_dtype
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.persistence import save_pruned
 from rcpu_bench.pipeline import PruneConfig, prune_model
@@ -44,8 +44,11 @@ class Experiment:
         self.prune.validate(registry)
         resolve_dtype(self.dtype)
         resolve_device(self.device)
-        model_source(self.model)
+        config, _ = load_config(self.model, self.revision)
         spec = data.parse_calib(self.calib)
+        if spec.seqlen > config.max_position_embeddings:
+            raise ValueError(f"calibration seqlen {spec.seqlen} exceeds the model's max_position_embeddings "
+                             f"{config.max_position_embeddings}")
         data.load_source(spec.source, self.data_dir)
         for profile in self.ppl_profiles:
             perplexity.profile_source(profile, self.data_dir)

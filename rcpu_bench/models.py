@@ -155,6 +155,15 @@ def _check_supported(config: PretrainedConfig) -> None:
     check_architecture(skeleton)
 
 
+def load_config(name_or_path: str, revision: str | None = None) -> tuple[PretrainedConfig, str | None]:
+    """The model's config, checked on a weightless skeleton, and the Hub commit it came from (None if local)."""
+    source = model_source(name_or_path)
+    commit = extract_commit_hash(cached_file(source, "config.json", revision=revision), None)
+    config = AutoConfig.from_pretrained(source, revision=commit or revision)
+    _check_supported(config)
+    return config, commit
+
+
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
                revision: str | None = None) -> LoadedModel:
     """Load a supported causal LM and its tokenizer, in eval mode, with provenance.
@@ -163,10 +172,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     commit). The architecture is checked on a weightless skeleton before any weights are read.
     """
     torch_dtype, torch_device, source = resolve_dtype(dtype), resolve_device(device), model_source(name_or_path)
-    commit = extract_commit_hash(cached_file(source, "config.json", revision=revision), None)
+    config, commit = load_config(name_or_path, revision)
     pinned = commit or revision  # config, weights and tokenizer all from the same commit
-    config = AutoConfig.from_pretrained(source, revision=pinned)
-    _check_supported(config)
     model = AutoModelForCausalLM.from_pretrained(source, config=config, revision=pinned, dtype=torch_dtype)
     model = model.to(torch_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(source, revision=pinned)

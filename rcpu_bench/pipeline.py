@@ -54,8 +54,8 @@ class PruneConfig:
 
     def validate(self, registry: Registry) -> None:
         """Raise a clear error for any bad value before work starts."""
-        registry.scorer(self.scorer).check_params(self.scorer_params)
-        registry.compensator(self.compensator).check_params(self.compensator_params)
+        registry.scorer(self.scorer).validate(self.scorer_params)
+        registry.compensator(self.compensator).validate(self.compensator_params)
         n_pruned(100, self.ratio, self.rounding)
         choices = {"gqa_rule": ("group", "query"), "head_aggregation": ("sum", "standardized-mean"),
                    "statistics": ("sequential", "one-shot"), "structure": ("uniform", "al-am")}
@@ -208,7 +208,7 @@ def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: 
         result = registry.compensator(name)(proj.weight, stats, columns.kept, columns.pruned, **params)
     _apply(layer, module, units, config.gqa_rule, result.weight, result.bias)
     return {"compensator": name, "units_total": len(units.kept) + len(units.pruned),
-            "units_pruned": len(units.pruned), **result.info}
+            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info}
 
 
 def _gram_modules(modules: list[str], config: PruneConfig, registry: Registry) -> list[str]:

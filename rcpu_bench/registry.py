@@ -17,6 +17,7 @@ import pluggy
 import torch
 
 from rcpu_bench import hookspecs
+from rcpu_bench.stats import ActivationStats
 
 Kind = Literal["scorer", "compensator"]
 NEEDS = ("moments", "gram")
@@ -44,6 +45,18 @@ class Method:
         if unknown:
             allowed = ", ".join(self.params) or "none"
             raise ValueError(f"{self.kind} {self.name!r} has no parameter(s) {', '.join(unknown)}; allowed: {allowed}")
+
+    def validate(self, params: dict[str, Any]) -> None:
+        """Check parameter names, then values by a trial run on a tiny synthetic problem (before real work)."""
+        self.check_params(params)
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(3, 4, generator=generator)
+        stats = ActivationStats.from_activations(torch.randn(32, 4, generator=generator, dtype=torch.float64))
+        indices = (torch.tensor([0, 2]), torch.tensor([1, 3])) if self.kind == "compensator" else ()
+        try:
+            self(weight, stats, *indices, **params)
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{self.kind} {self.name!r} rejects parameters {params}: {error}") from error
 
     def __call__(self, weight: torch.Tensor, stats, *indices: torch.Tensor, **params: Any):
         """Run the method and check its result against the contract (shapes, finiteness)."""
