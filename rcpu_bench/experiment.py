@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,6 +72,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     params_before = parameter_count(model)
     report = prune_model(model, calib.tokens, experiment.prune, registry=registry, progress=progress)
     params_after = parameter_count(model)
+    calib_nll, calib_targets = perplexity.sequence_nll(model, list(calib.tokens), batch_size=experiment.eval_batch_size,
+                                                       desc="ppl calibration")
     ppl = [perplexity.perplexity(model, tokenizer, profile, batch_size=experiment.eval_batch_size,
                                  data_dir=experiment.data_dir) for profile in experiment.ppl_profiles]
     record = {
@@ -81,6 +84,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         "parameters": {"before": params_before, "after": params_after,
                        "removed_fraction": 1 - params_after / params_before},
         "perplexity": ppl,
+        # On the calibration windows themselves: the paper's rule for choosing the ridge λ (appendix bestlam).
+        "calibration_ppl": math.exp(calib_nll / calib_targets),
         "timing": {"total_seconds": time.perf_counter() - started, "prune_seconds": report.seconds,
                    "layers": [{"layer": layer["layer"], **layer["seconds"]} for layer in report.layers]},
         "layers": [{k: v for k, v in layer.items() if k != "seconds"} for layer in report.layers],

@@ -1,0 +1,48 @@
+"""The paper's method names, defined once: each is a scorer × compensator × pipeline setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MethodAlias:
+    """A named method of the paper's tables and the PruneConfig fields it stands for."""
+
+    key: str
+    label: str
+    prune: dict[str, Any] = field(default_factory=dict)
+    lambda_grid: bool = False  # ridge: run the λ grid and report λ_best (lowest calibration perplexity)
+
+
+ALIASES: dict[str, MethodAlias] = {a.key: a for a in (
+    MethodAlias("original", "Original", {"ratio": 0.0, "compensator": "none"}),
+    MethodAlias("wanda-sp", "WANDA-sp", {"scorer": "wanda-sp", "compensator": "none"}),
+    MethodAlias("flap", "FLAP", {"scorer": "flap-wifv", "compensator": "flap-bias", "structure": "al-am",
+                                 "statistics": "one-shot"}),
+    MethodAlias("ls-best", "Prop.Score+LS (lambda_best)", {"scorer": "variance", "compensator": "ridge"},
+                lambda_grid=True),
+    MethodAlias("rcpu-rot", "RCPU (Rot.)", {"scorer": "variance", "compensator": "procrustes"}),
+    MethodAlias("rcpu-rot-scale", "RCPU (Rot.+Scale)", {"scorer": "variance", "compensator": "scaled-procrustes"}),
+)}
+
+
+def get_alias(key: str) -> MethodAlias:
+    if key not in ALIASES:
+        raise KeyError(f"unknown method {key!r}; known methods: {', '.join(ALIASES)}")
+    return ALIASES[key]
+
+
+def label_of(prune: dict[str, Any]) -> str | None:
+    """The paper's label of a recorded PruneConfig, or None when it matches no named method."""
+    for alias in ALIASES.values():
+        if all(prune.get(k) == v for k, v in alias.prune.items()) and _defaults_elsewhere(prune, alias):
+            return alias.label
+    return None
+
+
+def _defaults_elsewhere(prune: dict[str, Any], alias: MethodAlias) -> bool:
+    """The fields an alias does not set keep their defaults (so e.g. a one-shot RCPU run is not 'RCPU')."""
+    defaults = {"structure": "uniform", "statistics": "sequential"}
+    return all(prune.get(k, v) == v for k, v in defaults.items() if k not in alias.prune)
