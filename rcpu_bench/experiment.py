@@ -65,13 +65,17 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     registry = registry or default_registry()
     experiment.validate(registry)
     started = time.perf_counter()
-    loaded = load_model(experiment.model, dtype=experiment.dtype, device=experiment.device, revision=experiment.revision)
+    # With offloading the model stays in CPU memory and each layer visits the device while it is pruned.
+    home = "cpu" if experiment.prune.offload else experiment.device
+    loaded = load_model(experiment.model, dtype=experiment.dtype, device=home, revision=experiment.revision)
     model, tokenizer = loaded.model, loaded.tokenizer
     calib = data.calibration_data(experiment.calib, tokenizer, data_dir=experiment.data_dir,
                                   max_positions=model.config.max_position_embeddings)
     params_before = parameter_count(model)
-    report = prune_model(model, calib.tokens, experiment.prune, registry=registry, progress=progress)
+    report = prune_model(model, calib.tokens, experiment.prune, registry=registry, device=experiment.device,
+                         progress=progress)
     params_after = parameter_count(model)
+    model.to(experiment.device)
     calib_nll, calib_targets = perplexity.sequence_nll(model, list(calib.tokens), batch_size=experiment.eval_batch_size,
                                                        desc="ppl calibration")
     ppl = [perplexity.perplexity(model, tokenizer, profile, batch_size=experiment.eval_batch_size,

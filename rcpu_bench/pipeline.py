@@ -12,6 +12,7 @@ and ``structure="al-am"`` chooses all selections up front with FLAP's global ada
 
 from __future__ import annotations
 
+import resource
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -104,14 +105,6 @@ class Timer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
-    return value
-
-
 @torch.no_grad()
 def capture_layer_inputs(model: nn.Module, input_ids: Tensor, batch_size: int, device: torch.device) -> list[LayerInput]:
     """Record what layer 0 receives (hidden states, attention mask, position embeddings) per batch.
@@ -144,6 +137,7 @@ def _layer_output(output: Any) -> Tensor:
 
 @torch.no_grad()
 def run_layer(layer: nn.Module, inputs: list[LayerInput]) -> list[Tensor]:
+    """The layer's outputs for every calibration batch."""
     return [_layer_output(layer(x.hidden, **x.kwargs)) for x in inputs]
 
 
@@ -249,10 +243,9 @@ class PruneReport:
 
 
 def _peak_memory(device: torch.device) -> int:
+    """Peak bytes: allocated on the accelerator, or the process's peak resident set on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -274,11 +267,10 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     for index, layer in enumerate(tqdm(layers, desc="pruning layers", disable=not progress)):
         timer = Timer(device)
         with _on_device(layer, device, config.offload):
-            report = _prune_layer(layer, inputs, config, registry, timer, selections[index] if selections else None)
-            with timer("forward"):
-                if config.statistics == "sequential":
-                    report["next_inputs"] = run_layer(layer, inputs)
-        outputs = report.pop("next_inputs")
+            report, outputs = _prune_layer(layer, inputs, config, registry, timer, selections[index] if selections else None)
+            if config.statistics == "sequential":
+                with timer("forward"):
+                    outputs = run_layer(layer, inputs)
         inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs)]
         reports.append({"layer": index, **report, "seconds": timer.seconds})
         for key, value in timer.seconds.items():
@@ -302,20 +294,20 @@ def _capture(model: nn.Module, calib_ids: Tensor, config: PruneConfig, device: t
 
 
 def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig, registry: Registry, timer: Timer,
-                 selections: dict[str, Selection] | None) -> dict[str, Any]:
-    """Statistics pass, then attention and MLP pruning; ``next_inputs`` holds the dense outputs (one-shot)."""
+                 selections: dict[str, Selection] | None) -> tuple[dict[str, Any], list[Tensor]]:
+    """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
     modules = [m for m in MODULES if m in config.prune]
     gram = _gram_modules(modules, config, registry)
     with timer("statistics"):
         stats, dense_outputs = _collect(layer, modules, inputs, gram)
-    report: dict[str, Any] = {"next_inputs": dense_outputs}
+    report: dict[str, Any] = {}
     for module in modules:
         if module == "mlp" and config.recollect_mlp and "attention" in modules:
             with timer("statistics"):
                 stats["mlp"] = _collect(layer, ["mlp"], inputs, gram)[0]["mlp"]
         units = selections[module] if selections else None
         report[module] = prune_module(layer, module, stats[module], config, registry, timer, units)
-    return report
+    return report, dense_outputs
 
 
 # FLAP's adaptive structure (AL-AM) ------------------------------------------------------------------

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-
 import hashlib
 import json
 import random
@@ -21,12 +16,7 @@ from transformers import AutoTokenizer
 from rcpu_bench import data, paths
 from rcpu_bench.data import CalibSpec, calibration_data, parse_calib
 
-try:
-    SHARED = paths.shared_dir()
-except FileNotFoundError:
-    SHARED = Path("/nonexistent")
-STORIES = SHARED / "models" / "stories260K"
-WIKI_TEST = SHARED / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"
+from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 needs_shared = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared fixtures not found (set {paths.SHARED_ENV})")
 # The canonical WikiText-2 raw test file (shared/DATA.md).
 WIKI_TEST_SHA = "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"
@@ -247,7 +237,7 @@ def test_wikitext_online_uses_datasets_rows(tmp_path, monkeypatch):
 @needs_shared
 def test_tinystories_stream_is_bos_plus_story_per_story(tok):
     got = calibration_data("tinystories:8x128", tok)
-    path = SHARED / "data" / "tinystories" / "validation_first1000.jsonl"
+    path = TINYSTORIES
     stories = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     expected = [tok.bos_token_id] + [t for s in stories[:500] for t in tok(s["text"]).input_ids][1:]
     assert [s["idx"] for s in stories[:500]] == list(range(500))

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-
 import hashlib
 import json
 import math
@@ -20,13 +15,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from rcpu_bench import data, paths
 from rcpu_bench.perplexity import PROFILES, get_profile, perplexity
 
-try:
-    SHARED = paths.shared_dir()
-except FileNotFoundError:
-    SHARED = Path("/nonexistent")
-STORIES = SHARED / "models" / "stories260K"
-WIKI_TEST = SHARED / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"
-TINYSTORIES = SHARED / "data" / "tinystories" / "validation_first1000.jsonl"
+from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared fixtures not found (set {paths.SHARED_ENV})")
 
 

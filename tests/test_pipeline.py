@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tiny_models import STORIES, STORIES_MHA, logits, needs_stories, tiny_config, tiny_model, tokens
 from transformers import LlamaForCausalLM
 

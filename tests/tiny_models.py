@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # any accidental Hub access fails fast
-
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,15 +15,18 @@ from rcpu_bench.paths import SHARED_ENV, shared_dir
 from rcpu_bench.surgery import mask_attention, mask_mlp, prune_attention, prune_mlp
 
 
-def _models_dir() -> Path:
+def _shared() -> Path:
     try:
-        return shared_dir() / "models"
+        return shared_dir()
     except FileNotFoundError:
         return Path("shared-fixtures-not-found")
 
 
-STORIES = _models_dir() / "stories260K"
-STORIES_MHA = _models_dir() / "stories260K-mha"
+SHARED = _shared()
+STORIES = SHARED / "models" / "stories260K"
+STORIES_MHA = SHARED / "models" / "stories260K-mha"
+WIKI_TEST = SHARED / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"
+TINYSTORIES = SHARED / "data" / "tinystories" / "validation_first1000.jsonl"
 needs_stories = pytest.mark.skipif(not STORIES.is_dir() or not STORIES_MHA.is_dir(),
                                    reason=f"fixture models not found ({STORIES}); set ${SHARED_ENV}")
 
