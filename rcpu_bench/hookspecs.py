@@ -7,7 +7,8 @@ entry-point group. Each hook receives a ``register`` callable::
 
 ``fn`` is called as ``fn(weight, stats, **params)`` for scorers (returning d_in column scores) and
 ``fn(weight, stats, kept, pruned, **params)`` for compensators (returning a ``Compensation``).
-Keyword-only arguments with defaults are the method's parameters. ``needs`` declares the cheapest
+``fn(model, calib_ids, *, ratio, **params)`` for whole-model methods (transforming the model in place
+and returning a report dict). Keyword-only arguments with defaults are the method's parameters. ``needs`` declares the cheapest
 statistic the method requires: "moments" (Σx, Σ|x|, Σx²) or "gram" (also G = Σ x xᵀ).
 """
 
@@ -25,3 +26,8 @@ def register_scorers(register):
 @hookspec
 def register_compensators(register):
     """Register compensators: ``register("name", fn, needs=..., description=...)``."""
+
+
+@hookspec
+def register_model_methods(register):
+    """Register whole-model methods (e.g. SliceGPT): ``register("name", fn, description=...)``."""

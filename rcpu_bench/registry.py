@@ -19,9 +19,10 @@ import torch
 from rcpu_bench import hookspecs
 from rcpu_bench.stats import ActivationStats
 
-Kind = Literal["scorer", "compensator"]
+Kind = Literal["scorer", "compensator", "model-method"]
 NEEDS = ("moments", "gram")
-_HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "compensator": "register_compensators"}
+_HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "compensator": "register_compensators",
+                           "model-method": "register_model_methods"}
 
 
 class PluginContractError(RuntimeError):
@@ -49,6 +50,8 @@ class Method:
     def validate(self, params: dict[str, Any]) -> None:
         """Check parameter names, then values by a trial run on a tiny synthetic problem (before real work)."""
         self.check_params(params)
+        if self.kind == "model-method":  # no cheap trial problem: a whole model is needed
+            return
         generator = torch.Generator().manual_seed(0)
         weight = torch.randn(3, 4, generator=generator)
         stats = ActivationStats.from_activations(torch.randn(32, 4, generator=generator, dtype=torch.float64))
@@ -58,18 +61,17 @@ class Method:
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(f"{self.kind} {self.name!r} rejects parameters {params}: {error}") from error
 
-    def __call__(self, weight: torch.Tensor, stats, *indices: torch.Tensor, **params: Any):
-        """Run the method and check its result against the contract (shapes, finiteness)."""
+    def __call__(self, *args: Any, **params: Any):
+        """Run the method and check its result against the contract (shapes, finiteness, report type)."""
         self.check_params(params)
-        result = self.fn(weight, stats, *indices, **params)
-        check = _check_scores if self.kind == "scorer" else _check_compensation
-        problem = check(result, weight, *indices)
+        result = self.fn(*args, **params)
+        problem = _CHECKS[self.kind](result, *args)
         if problem:
             raise PluginContractError(f"{self.kind} {self.name!r} from {self.provider} {problem}")
         return result
 
 
-def _check_scores(scores: Any, weight: torch.Tensor) -> str | None:
+def _check_scores(scores: Any, weight: torch.Tensor, *_: Any) -> str | None:
     if not isinstance(scores, torch.Tensor) or scores.shape != (weight.shape[1],):
         return f"returned {_describe(scores)}, expected a tensor of shape ({weight.shape[1]},)"
     if not torch.isfinite(scores).all():
@@ -77,7 +79,7 @@ def _check_scores(scores: Any, weight: torch.Tensor) -> str | None:
     return None
 
 
-def _check_compensation(result: Any, weight: torch.Tensor, kept: torch.Tensor, pruned: torch.Tensor) -> str | None:
+def _check_compensation(result: Any, weight: torch.Tensor, _stats: Any, kept: torch.Tensor, *_: Any) -> str | None:
     expected = (weight.shape[0], len(kept))
     if not hasattr(result, "weight") or not isinstance(result.weight, torch.Tensor):
         return f"returned {_describe(result)}, expected a Compensation"
@@ -88,6 +90,14 @@ def _check_compensation(result: Any, weight: torch.Tensor, kept: torch.Tensor, p
     if not torch.isfinite(result.weight).all() or (result.bias is not None and not torch.isfinite(result.bias).all()):
         return "returned NaN or infinite weights"
     return None
+
+
+def _check_report(report: Any, model: torch.nn.Module, *_: Any) -> str | None:
+    return None if isinstance(report, dict) else f"returned {_describe(report)}, expected a report dict"
+
+
+_CHECKS: dict[str, Callable[..., str | None]] = {"scorer": _check_scores, "compensator": _check_compensation,
+                                                 "model-method": _check_report}
 
 
 def _describe(obj: Any) -> str:
