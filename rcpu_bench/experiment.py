@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rcpu_bench import data, perplexity
-from rcpu_bench.models import load_config, load_model, parameter_count, resolve_device, resolve_dtype
+from rcpu_bench.models import LoadedModel, load_config, load_model, parameter_count, resolve_device, resolve_dtype
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.persistence import save_pruned
 from rcpu_bench.pipeline import PruneConfig, prune_model
@@ -60,14 +61,22 @@ class Experiment:
         return asdict(self)
 
 
-def run_experiment(experiment: Experiment, *, registry: Registry | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run one experiment and return its result record."""
+def run_experiment(experiment: Experiment, *, registry: Registry | None = None, progress: bool = True,
+                   load: Callable[..., LoadedModel] = load_model,
+                   evaluate: Callable[[Any, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Run one experiment and return its result record.
+
+    ``load`` (load_model's signature) supplies the dense model, which the run prunes in place, so it must
+    return a model of its own: the matrix runner passes a cache that reads each model once and hands out copies.
+    ``evaluate(model, tokenizer)`` evaluates the pruned model further; its fields join the record (the
+    matrix runner's zero-shot accuracy).
+    """
     registry = registry or default_registry()
     experiment.validate(registry)
     started = time.perf_counter()
     # With offloading the model stays in CPU memory and each layer visits the device while it is pruned.
     home = "cpu" if experiment.prune.offload else experiment.device
-    loaded = load_model(experiment.model, dtype=experiment.dtype, device=home, revision=experiment.revision)
+    loaded = load(experiment.model, dtype=experiment.dtype, device=home, revision=experiment.revision)
     model, tokenizer = loaded.model, loaded.tokenizer
     calib = data.calibration_data(experiment.calib, tokenizer, data_dir=experiment.data_dir,
                                   max_positions=model.config.max_position_embeddings)
@@ -95,6 +104,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         "layers": [{k: v for k, v in layer.items() if k != "seconds"} for layer in report.layers],
         "peak_memory_bytes": report.peak_memory_bytes,
     }
+    if evaluate:
+        record.update(evaluate(model, tokenizer))
     if experiment.save_dir:
         save_pruned(model, experiment.save_dir, tokenizer=tokenizer, method=experiment.prune.to_dict(),
                     provenance=loaded.provenance)

@@ -45,11 +45,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import lm_eval
-import lm_eval.tasks
 from huggingface_hub import constants
-from lm_eval.tasks import TaskManager
-from lm_eval.tasks._yaml_loader import load_yaml
 from tabulate import tabulate
 
 from rcpu_bench.models import (
@@ -123,19 +119,28 @@ def local_yaml(task: str) -> Path:
 
 def builtin_yaml(task: str) -> Path:
     """lm-eval's built-in task config for ``task``."""
+    import lm_eval.tasks
+
     return Path(lm_eval.tasks.__file__).parent / BUILTIN_YAML[task]
+
+
+def _load_yaml(path: Path, *, resolve_func: bool) -> dict[str, Any]:
+    """lm-eval's task-YAML loader (it resolves ``!function``); lm-eval is imported only when needed (~6 s)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(path, resolve_func=resolve_func)
 
 
 def local_task_config(task: str, data_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """The ``rcpu_<task>`` config as an lm-eval task spec, reading its files from ``data_dir``."""
-    config = load_yaml(local_yaml(task), resolve_func=True)
+    config = _load_yaml(local_yaml(task), resolve_func=True)
     config["dataset_kwargs"] = {**config["dataset_kwargs"], "data_dir": str(resolved_data_dir(data_dir))}
     return config
 
 
 def local_data_files(task: str) -> list[str]:
     """The data files of ``task``'s local config, relative to the data directory."""
-    splits = load_yaml(local_yaml(task), resolve_func=False)["dataset_kwargs"]["data_files"]
+    splits = _load_yaml(local_yaml(task), resolve_func=False)["dataset_kwargs"]["data_files"]
     return [name for files in splits.values() for name in files]
 
 
@@ -260,7 +265,9 @@ def task_summary(raw: dict[str, Any], task: str, plan: ZeroShotPlan) -> dict[str
 
 def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan) -> dict[str, Any]:
     """Evaluate ``model`` as it is in memory on a checked plan; the result record (see ``evaluate_zeroshot``)."""
-    from lm_eval.models.huggingface import HFLM  # imported here: it needs accelerate, the rest of the CLI does not
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=plan.batch_size,
               max_length=model.config.max_position_embeddings)

@@ -1,0 +1,191 @@
+"""Run a benchmark matrix: check every cell first, skip the finished ones, run the rest, store each as it ends.
+
+Each finished cell is appended (and fsynced) to ``<results_dir>/records.jsonl`` the moment it ends, so
+Ctrl-C or a SIGKILL loses only the cell in progress; a rerun skips the cells whose newest entry is ok
+and retries the failed ones. One failing cell is recorded with its traceback and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import closing
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+from tqdm.auto import tqdm
+
+from rcpu_bench.executors import EXECUTORS, make_executor
+from rcpu_bench.matrix import Cell, Matrix, MatrixError, error_message, expand, load_matrix, shipped_matrices
+from rcpu_bench.pipeline import PruneConfig
+from rcpu_bench.registry import Registry, default_registry
+from rcpu_bench.store import FAILED, OK, Store, StoreBusyError
+
+
+def preflight(cells: list[Cell], registry: Registry) -> None:
+    """Every check that needs no model weights, before the first cell runs.
+
+    ``expand`` validated each cell's PruneConfig; here each distinct setting of the rest of the
+    experiment (model, calibration, profiles, dtype, device) is validated once with Experiment.validate,
+    and the zero-shot tasks' data once when a cell asks for them.
+    """
+    validated: set[str] = set()
+    for cell in cells:
+        try:
+            experiment = cell.experiment()
+            setting = json.dumps(replace(experiment, prune=PruneConfig()).to_dict(), sort_keys=True, default=str)
+            if setting not in validated:
+                experiment.validate(registry)
+                validated.add(setting)
+        except (ValueError, KeyError, OSError) as error:
+            where = f"cell {cell.id} ({cell.describe()}, model {cell.model})"
+            raise MatrixError(f"{where}: {error_message(error)}") from None
+    if any("zeroshot" in cell.eval for cell in cells):
+        from rcpu_bench.zeroshot import plan_zeroshot  # lm-eval: imported only when asked for
+
+        try:
+            plan_zeroshot()
+        except (ValueError, OSError) as error:
+            raise MatrixError(f"eval zeroshot: {error}") from None
+
+
+@dataclass
+class RunSummary:
+    """What a run did: cells in the matrix, finished ok or failed now, skipped as already finished."""
+
+    results_dir: Path
+    total: int
+    skipped: int
+    ok: int = 0
+    failed: int = 0
+
+    def add(self, entry: dict[str, Any]) -> None:
+        if entry["status"] == OK:
+            self.ok += 1
+        else:
+            self.failed += 1
+
+    def counts(self) -> str:
+        return f"ok={self.ok} failed={self.failed} skipped={self.skipped}"
+
+
+def _outcome(entry: dict[str, Any]) -> str:
+    """The perplexities of an ok entry, or the error type and first message line of a failed one."""
+    if entry["status"] == FAILED:
+        error = entry["error"]
+        return f"{error['type']}: {(error['message'].splitlines() or [''])[0]}"
+    record = entry["record"]
+    ppl = [f"{p['profile']} {p['ppl']:.3f}" for p in record["perplexity"]]
+    return ", ".join([*ppl, f"calibration {record['calibration_ppl']:.3f}"])
+
+
+class Progress:
+    """A bar over the cells to run (with ETA) whose postfix shows the current cell and the counts; a line per cell."""
+
+    def __init__(self, summary: RunSummary, cells: list[Cell], name: str, enabled: bool):
+        self.summary, self.enabled = summary, enabled
+        self.cells = {cell.id: cell for cell in cells}
+        self.bar = tqdm(total=len(cells), desc=f"matrix {name}", unit="cell", disable=not enabled)
+
+    def started(self, cell: Cell) -> None:
+        self.bar.set_postfix_str(f"{self.summary.counts()} | {cell.describe()}")
+
+    def finished(self, entry: dict[str, Any]) -> None:
+        self.bar.update()
+        self.bar.set_postfix_str(self.summary.counts())
+        if self.enabled:
+            cell = self.cells[entry["cell_id"]]
+            self.bar.write(f"[{entry['status']:>6}] {entry['cell_id']} {cell.describe()}: {_outcome(entry)} "
+                           f"({entry['seconds']:.1f} s)")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local", resume: bool = True,
+               progress: bool = True, *, registry: Registry | None = None,
+               ray_address: str | None = None) -> RunSummary:
+    """Run every cell of ``matrix`` not yet finished in ``results_dir`` and store each entry as it ends.
+
+    The whole matrix is validated before any cell runs. ``resume=False`` reruns finished cells too
+    (the newest entry wins). ``registry`` defaults to the installed plugins.
+    """
+    registry = registry or default_registry()
+    cells = expand(matrix, registry)
+    preflight(cells, registry)
+    cell_runner = make_executor(executor, ray_address=ray_address)
+    store = Store(results_dir)
+    with store.writing() as append:
+        finished = store.finished() if resume else set()
+        todo = [cell for cell in cells if cell.id not in finished]
+        summary = RunSummary(store.dir, len(cells), skipped=len(cells) - len(todo))
+        shown = Progress(summary, todo, matrix.name, progress)
+        with closing(shown), closing(cell_runner.run(todo, registry, shown.started)) as entries:
+            for entry in entries:
+                append(entry)
+                summary.add(entry)
+                shown.finished(entry)
+    return summary
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+def dry_run_table(cells: list[Cell]) -> str:
+    """The cells of a matrix, one row each (id, model, method, ratio, n_calib, λ)."""
+    rows = [(c.id, c.model_label, c.method_name(), c.ratio, c.n_calib, "" if c.lam is None else f"{c.lam:g}")
+            for c in cells]
+    return tabulate(rows, headers=["cell", "model", "method", "ratio", "n_calib", "λ"]) + f"\n{len(cells)} cells"
+
+
+def default_results_dir(matrix: Matrix) -> Path:
+    return Path("results") / matrix.name
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``rcpu-bench run``: exit 0 when every cell is finished, 1 when some failed, 2 on bad input, 130 on Ctrl-C."""
+    try:
+        matrix = load_matrix(args.matrix, model=args.model, ratios=args.ratios, sets=args.set)
+        if args.dry_run:
+            print(dry_run_table(expand(matrix, default_registry())))
+            return 0
+        results = Path(args.results) if args.results else default_results_dir(matrix)
+        summary = run_matrix(matrix, results, executor=args.executor, resume=args.resume, progress=not args.quiet,
+                             ray_address=args.ray_address)
+    except (MatrixError, StoreBusyError, ImportError) as error:
+        print(f"rcpu-bench: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rcpu-bench: interrupted; the finished cells are stored, run the same command to continue",
+              file=sys.stderr)
+        return 130
+    print(f"matrix {matrix.name}: {summary.total} cells, {summary.counts()}; entries in {summary.results_dir}")
+    if summary.failed:
+        print("failed cells are retried by the next run (their tracebacks are in the store)")
+    return 1 if summary.failed else 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``run`` subcommand to the ``rcpu-bench`` subcommands."""
+    p = commands.add_parser("run", help="run a benchmark matrix (models x methods x ratios x calibration sizes)",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--matrix", required=True,
+                   help=f"a shipped matrix ({', '.join(shipped_matrices())}) or a matrix YAML file")
+    p.add_argument("--results", metavar="DIR", help="results directory (default: results/<matrix name>)")
+    p.add_argument("--executor", default="local", choices=EXECUTORS,
+                   help="local: one cell after another here; ray: one Ray task per cell")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip cells already finished in the results directory")
+    p.add_argument("--model", metavar="PATH_OR_ID", help="run on this model instead of the matrix's models")
+    p.add_argument("--ratios", metavar="R1,R2", help="pruning ratios instead of the matrix's, e.g. 0.1,0.2")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a (dotted) matrix key with a YAML value, e.g. calib.n_calib=[8] (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="list the cells without running them")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="address of a running Ray cluster (default: start a local one)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or per-cell lines")
+    p.set_defaults(func=cmd_run)
+    return p

@@ -1,0 +1,214 @@
+"""Benchmark matrices: validation errors that name the key or value, expansion counts, stable cell ids, overrides."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from tiny_matrices import tiny_raw, write_matrix
+from tiny_models import STORIES, needs_stories
+
+from rcpu_bench.matrix import (COMPENSATE_VARIANTS, SHARED, MatrixError, apply_overrides, expand, load_matrix,
+                               parse_matrix, read_matrix, shipped_matrices)
+from rcpu_bench.pipeline import MODULES
+from rcpu_bench.registry import default_registry
+from rcpu_bench.runner import preflight
+
+REGISTRY = default_registry()
+RIDGE_LAMS = [0.01, 1.0, 100.0]
+
+
+def cells_of(raw):
+    return expand(parse_matrix(raw), REGISTRY)
+
+
+def reversed_keys(value):
+    """The same value with every mapping's keys in reverse order."""
+    if isinstance(value, dict):
+        return {k: reversed_keys(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [reversed_keys(v) for v in value]
+    return value
+
+
+def test_cells_are_models_by_calibration_sizes_by_methods_by_ratios_with_one_cell_per_lambda():
+    raw = tiny_raw(["wanda-sp", "ls-best", {"name": "ridge-fixed", "scorer": "wanda-sp", "compensator": "ridge",
+                                            "compensator_params": {"lam": 0.5}}],
+                   models=[f"{SHARED}/models/stories260K", f"{SHARED}/models/stories260K-mha"],
+                   ratios=[0.1, 0.3], calib={"source": "tinystories", "n_calib": [8, 16], "seqlen": 64},
+                   lambdas=RIDGE_LAMS, include_dense=True)
+    cells = cells_of(raw)
+    assert len(cells) == 2 * (1 + 2 * 2 * (1 + len(RIDGE_LAMS) + 1))
+    dense = [c for c in cells if c.method == "original"]
+    assert [(c.model_label, c.ratio, c.prune["compensator"]) for c in dense] == [
+        ("stories260K", 0.0, "none"), ("stories260K-mha", 0.0, "none")]
+    ls = [c for c in cells if c.method == "ls-best"]
+    assert sorted({c.lam for c in ls}) == RIDGE_LAMS and all(c.prune["compensator_params"] == {"lam": c.lam}
+                                                              for c in ls)
+    assert {c.lam for c in cells if c.method_label == "ridge-fixed"} == {0.5}
+    assert {c.calib for c in cells} == {"tinystories:8x64:seed=0", "tinystories:16x64:seed=0"}
+    assert len({c.id for c in cells}) == len(cells)
+
+
+def test_ablation_multiplies_the_methods_by_the_compensated_modules():
+    cells = cells_of(tiny_raw(["rcpu-rot"], ratios=[0.1, 0.2, 0.3],
+                              ablation={"compensate": list(COMPENSATE_VARIANTS)}))
+    assert len(cells) == 12
+    assert {tuple(c.prune["compensate"]) for c in cells} == set(COMPENSATE_VARIANTS.values())
+    assert {c.method_name() for c in cells} == {"RCPU (Rot.)", "RCPU (Rot.) [compensate: none]",
+                                                "RCPU (Rot.) [compensate: attention]",
+                                                "RCPU (Rot.) [compensate: mlp]"}
+
+
+def test_a_product_takes_every_registered_method_and_names_aliases_by_the_paper():
+    cells = cells_of(tiny_raw([{"scorers": "all", "compensators": "all"}], lambdas=RIDGE_LAMS))
+    per_scorer = sum(len(RIDGE_LAMS) if "lam" in c.params else 1 for c in REGISTRY.methods("compensator"))
+    assert len(cells) == len(REGISTRY.methods("scorer")) * per_scorer
+    by_pair = {(c.prune["scorer"], c.prune["compensator"]): c for c in cells}
+    assert (by_pair["variance", "procrustes"].method, by_pair["variance", "procrustes"].method_label) == (
+        "rcpu-rot", "RCPU (Rot.)")
+    assert by_pair["wanda-sp", "none"].method == "wanda-sp"
+    custom = by_pair["magnitude", "flap-bias"]
+    assert (custom.method, custom.method_label) == ("custom", "magnitude+flap-bias")
+    assert {c.lam for c in cells if c.prune["compensator"] == "ridge"} == set(RIDGE_LAMS)
+
+
+def test_cell_ids_ignore_key_order_matrix_name_labels_and_device():
+    raw = tiny_raw(["rcpu-rot", {"name": "mine", "scorer": "wanda-sp", "compensator": "ridge",
+                                 "scorer_params": {"variant": "paper"}, "compensator_params": {"lam": 1.0}}])
+    ids = [c.id for c in cells_of(raw)]
+    assert all(re.fullmatch(r"[0-9a-f]{16}", i) for i in ids)
+    renamed = {**reversed_keys(raw), "name": "other", "device": "cuda"}
+    renamed["models"] = [{"label": "another label", "model": raw["models"][0]["model"]}]
+    renamed["methods"][1]["name"] = "renamed"
+    assert [c.id for c in cells_of(renamed)] == ids
+
+
+@pytest.mark.parametrize("change", [
+    {"ratios": [0.3]}, {"calib": {**tiny_raw([])["calib"], "seed": 1}},
+    {"calib": {**tiny_raw([])["calib"], "n_calib": [16]}}, {"models": [f"{SHARED}/models/stories260K"]},
+    {"ppl_profiles": ["tinystories[900:930]"]}, {"dtype": "float64"}, {"prune": {"rounding": "ceil"}},
+    {"methods": [{"name": "x", "scorer": "variance", "compensator": "procrustes",
+                  "compensator_params": {"dtype": "float32"}}]},
+])
+def test_cell_ids_change_with_what_the_cell_computes(change):
+    (base,) = cells_of(tiny_raw(["rcpu-rot"]))
+    (changed,) = cells_of({**tiny_raw(["rcpu-rot"]), **change})
+    assert changed.id != base.id
+
+
+@needs_stories
+def test_a_shared_model_path_is_written_portably_so_ids_match():
+    (written,) = cells_of(tiny_raw(["rcpu-rot"], models=[f"{SHARED}/models/stories260K"]))
+    (absolute,) = cells_of(tiny_raw(["rcpu-rot"], models=[str(STORIES)]))
+    assert absolute.model == f"{SHARED}/models/stories260K" and absolute.id == written.id
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"colour": "red"}, "unknown key 'colour'; allowed keys: name, models, methods, ratios"),
+    ({"methods": ["rcpu-rott"]}, "methods[0]: 'rcpu-rott' is not allowed; allowed: wanda-sp, flap, ls-best"),
+    ({"methods": ["original"]}, "include_dense: true"),
+    ({"methods": [{"name": "x", "scorer": "variance", "compensator": "none", "lamda": 1}]},
+     "unknown key 'lamda'; allowed keys: name, scorer, compensator, scorer_params, compensator_params"),
+    ({"methods": [{"name": "x", "scorer": "variance"}]}, "missing key 'compensator'"),
+    ({"methods": [{"scorers": ["variance"]}]}, "missing key 'compensators'"),
+    ({"methods": [{"scorer": "variance", "compensator": "none"}]}, "is not a method; expected an alias key"),
+    ({"eval": ["ppl", "mmlu"]}, "eval[1]: 'mmlu' is not allowed; allowed: ppl, zeroshot"),
+    ({"ratios": [1.0]}, "ratio 1.0 is outside (0, 1)"),
+    ({"ratios": ["abc"]}, "ratios[0]: 'abc' is not a number"),
+    ({"lambdas": [-1]}, "λ -1.0 must be >= 0"),
+    ({"calib": {"sourse": "wikitext2"}}, "calib: unknown key 'sourse'; allowed keys: source, n_calib, seqlen, seed"),
+    ({"calib": {"source": "c4"}}, "unknown calibration source 'c4'"),
+    ({"calib": {"n_calib": [0]}}, "calib.n_calib: 0 is not an integer >= 1"),
+    ({"dtype": "int8"}, "dtype: unknown dtype 'int8'; allowed: float32"),
+    ({"device": "gpu"}, "device: unknown device 'gpu'"),
+    ({"ppl_profiles": ["wikitext103"]}, "unknown perplexity profile 'wikitext103'; allowed: rcpu128"),
+    ({"ablation": {"compensate": ["q_proj"]}}, "'q_proj' is not allowed; allowed: none, o_proj, down_proj, both"),
+    ({"ablation": {"modules": ["none"]}}, "ablation: unknown key 'modules'; allowed keys: compensate"),
+    ({"include_dense": "yes"}, "include_dense: 'yes' is not allowed; allowed: true, false"),
+    ({"models": [{"path": "x"}]}, "models[0]: unknown key 'path'; allowed keys: model, label, revision"),
+    ({"prune": {"prune": ["attn"]}}, "prune.prune: 'attn' is not allowed; allowed: attention, mlp"),
+    ({"prune": {"ratio": 0.5}}, "prune: unknown key 'ratio'"),
+    ({"methods": []}, "methods: expected a non-empty list"),
+])
+def test_bad_matrices_are_refused_naming_the_key_or_value_and_what_is_allowed(change, message):
+    with pytest.raises(MatrixError) as error:
+        parse_matrix({**tiny_raw(["rcpu-rot"]), **change})
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("methods, message", [
+    ([{"name": "x", "scorer": "variance", "compensator": "nope"}],
+     "unknown compensator 'nope'; registered compensators: flap-bias, none"),
+    ([{"scorers": ["nope"], "compensators": "all"}], "methods[0]: unknown scorer 'nope'; registered scorers"),
+    ([{"name": "x", "scorer": "variance", "compensator": "procrustes", "compensator_params": {"alpha": 1}}],
+     "has no parameter(s) alpha; allowed: dtype"),
+    (["rcpu-rot", {"name": "mine", "scorer": "variance", "compensator": "procrustes"}],
+     "compute the same thing"),
+])
+def test_methods_are_checked_against_the_registry(methods, message):
+    with pytest.raises(MatrixError) as error:
+        cells_of(tiny_raw(methods))
+    assert message in str(error.value)
+
+
+def test_every_shipped_matrix_validates_with_its_cell_count():
+    counts = {name: len(expand(load_matrix(name), REGISTRY)) for name in shipped_matrices()}
+    per_scorer = sum(13 if "lam" in c.params else 1 for c in REGISTRY.methods("compensator"))
+    full = 1 + 3 * len(REGISTRY.methods("scorer")) * per_scorer
+    paper = 3 * 2 * 3 * (4 + 13) + 3  # 3 models × 2 N_calib × 3 ratios × (4 methods + 13 λ) + 3 dense
+    assert counts == {"ablation": 12, "full": full, "paper": paper, "smoke": 46}
+
+
+@needs_stories
+def test_the_smoke_matrix_passes_every_check_before_work_offline():
+    cells = expand(load_matrix("smoke"), REGISTRY)
+    preflight(cells, REGISTRY)
+    methods = {(c.prune["scorer"], c.prune["compensator"]) for c in cells if c.method != "original"}
+    assert len(methods) == 2 * 5 + 1 and {c.ratio for c in cells} == {0.0, 0.1, 0.2, 0.3}
+
+
+def test_the_paper_matrix_has_the_papers_models_methods_and_settings():
+    cells = expand(load_matrix("paper"), REGISTRY)
+    assert {c.model for c in cells} == {"huggyllama/llama-7b", "meta-llama/Llama-2-13b-hf", "lmsys/vicuna-7b-v1.3"}
+    assert {c.method_label for c in cells} == {"Original", "WANDA-sp", "FLAP", "Prop.Score+LS (lambda_best)",
+                                               "RCPU (Rot.)", "RCPU (Rot.+Scale)"}
+    assert {c.calib for c in cells} == {"wikitext2:128x128:seed=0", "wikitext2:512x128:seed=0"}
+    assert {c.eval for c in cells} == {("ppl", "zeroshot")} and {c.ppl_profiles for c in cells} == {("rcpu128",)}
+    assert all(tuple(c.prune["compensate"]) == MODULES for c in cells)
+
+
+def test_overrides_replace_models_and_ratios_and_set_dotted_keys():
+    matrix = load_matrix("smoke", model="meta-llama/Llama-2-7b-hf", ratios="0.1, 0.25",
+                         sets=["calib.n_calib=[8, 16]", "prune.batch_size=4", "eval=[ppl]", "lambdas=[1.0]"])
+    assert [(m.model, m.label) for m in matrix.models] == [("meta-llama/Llama-2-7b-hf", "Llama-2-7b-hf")]
+    assert matrix.ratios == (0.1, 0.25) and matrix.calib.n_calib == (8, 16) and matrix.lambdas == (1.0,)
+    assert {c.prune["batch_size"] for c in expand(matrix, REGISTRY)} == {4}
+    relabelled = load_matrix("smoke", sets=["models.0.label=tiny"])
+    assert relabelled.models[0].label == "tiny"
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["ratios"], "expected dotted.key=value"),
+    (["models.3.label=x"], "'3' is not an index of a list of 1 items"),
+    (["name.first=x"], "'name' holds 'smoke', not a mapping or list"),
+    (["calib.sedd=1"], "calib: unknown key 'sedd'"),
+])
+def test_bad_overrides_are_refused(sets, message):
+    with pytest.raises(MatrixError) as error:
+        load_matrix("smoke", sets=sets)
+    assert message in str(error.value)
+
+
+def test_a_matrix_file_is_read_with_yaml_1_1_numbers_and_named_after_its_stem(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("models: [m]\nmethods: [ls-best]\nratios: [0.2]\nlambdas: [1e-2, 1.0e+2]\n", encoding="utf-8")
+    matrix = load_matrix(str(path))
+    assert matrix.name == "mine" and matrix.lambdas == (0.01, 100.0)
+    raw, _ = read_matrix(str(write_matrix(tmp_path / "again.yaml", tiny_raw(["rcpu-rot"]))))
+    assert apply_overrides(raw, ratios="0.3")["ratios"] == ["0.3"] and raw["ratios"] == [0.2]
+
+
+def test_an_unknown_matrix_lists_the_shipped_ones():
+    with pytest.raises(MatrixError, match="no matrix file or shipped matrix 'smok'; shipped: ablation, full, paper"):
+        load_matrix("smok")

@@ -1,0 +1,101 @@
+"""Plots from results-store entries: the plotted values (computed apart from drawing, by hand here), their
+stability, and the PNG files the command writes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from test_tables import entry
+
+from rcpu_bench.plots import LambdaCurve, add_parser, bar_data, cmd_plots, lambda_data, ncalib_data, write_plots
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def store_entries() -> list[dict]:
+    """Llama-7B: two scorers × several compensators, a three-λ ridge grid, RCPU at three N_calib."""
+    return [
+        entry("original", 0.0, 12.4),
+        entry("wanda-sp", 0.1, 14.66), entry("wanda-sp", 0.2, 16.70),
+        entry("custom", 0.1, 14.0, label="WANDA-sp+Rot.", prune={"scorer": "wanda-sp", "compensator": "procrustes"}),
+        entry("rcpu-rot", 0.1, 13.55), entry("rcpu-rot", 0.2, 14.40),
+        entry("rcpu-rot", 0.1, 13.48, n_calib=512), entry("rcpu-rot", 0.1, 20.0, n_calib=32),
+        entry("ls-best", 0.1, 15.0, lam=1e-2, calibration_ppl=9.0),  # λ_best: lowest calibration perplexity
+        entry("ls-best", 0.1, 14.0, lam=1.0, calibration_ppl=10.0),
+        entry("ls-best", 0.1, 16.0, lam=100.0, calibration_ppl=11.0),
+        entry("flap", 0.1, 14.14),  # FLAP's global structure: in the N_calib plot, not among the bars
+        entry("rcpu-rot", 0.3, 18.0, prune={"compensate": []}),  # an ablation run: in no plot
+    ]
+
+
+def test_bar_data():
+    assert bar_data(store_entries()) == {"Llama-7B": {
+        (128, "wanda-sp"): {"No comp.": {0.1: 14.66, 0.2: 16.70}, "Rot.": {0.1: 14.0}},
+        (128, "variance"): {"LS (λ_best)": {0.1: 15.0}, "Rot.": {0.1: 13.55, 0.2: 14.40}},
+        (512, "variance"): {"Rot.": {0.1: 13.48}},
+        (32, "variance"): {"Rot.": {0.1: 20.0}},
+    }}
+
+
+def test_lambda_data():
+    assert lambda_data(store_entries()) == {"Llama-7B": {
+        (128, "variance", 0.1): LambdaCurve(lams=(0.01, 1.0, 100.0), ppl=(15.0, 14.0, 16.0), best=0.01)}}
+
+
+def test_ncalib_data_has_the_methods_run_at_several_ncalib():
+    assert ncalib_data(store_entries()) == {"Llama-7B": {("RCPU (Rot.)", 0.1): {32: 20.0, 128: 13.55, 512: 13.48}}}
+    assert ncalib_data([e for e in store_entries() if e["cell"]["n_calib"] == 128]) == {}
+
+
+@pytest.mark.parametrize("data_of", [bar_data, lambda_data, ncalib_data])
+def test_plotted_values_are_the_same_every_time_and_in_any_store_order(data_of):
+    first = repr(data_of(store_entries()))  # the values and the order they are drawn in
+    assert repr(data_of(store_entries())) == first and repr(data_of(store_entries()[::-1])) == first
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk, after checking the signature."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_write_plots_one_png_per_kind(tmp_path):
+    paths = write_plots(store_entries(), tmp_path / "a")
+    assert [p.name for p in paths] == ["ppl_vs_ratio_Llama-7B.png", "ppl_vs_lambda_Llama-7B.png",
+                                       "ppl_vs_ncalib_Llama-7B.png"]
+    (bars_w, bars_h), *others = [png_size(p) for p in paths]
+    assert all(400 < w < 700 and 300 < h < 600 for w, h in others)  # one panel of 5 × 3.6 in at 100 dpi
+    assert 1800 < bars_w < 2300 and 300 < bars_h < 600  # four panels: (32|128|512, variance), (128, wanda-sp)
+    assert all(10_000 < p.stat().st_size < 2_000_000 for p in paths)
+    again = write_plots(store_entries(), tmp_path / "b")
+    assert [p.read_bytes() for p in again] == [p.read_bytes() for p in paths]
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rcpu-bench")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return cmd_plots(parser.parse_args(["plots", *argv]))
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(e) + "\n" for e in store_entries()), encoding="utf-8")
+    return tmp_path
+
+
+def test_cli_writes_pngs_only_into_the_plots_directory(results, capsys):
+    assert run_cli(["--results", str(results)]) == 0
+    printed = capsys.readouterr().out.split()
+    assert sorted(printed) == sorted(str(p) for p in (results / "plots").iterdir())
+    assert len(printed) == 3 and sorted(p.name for p in results.iterdir()) == ["plots", "records.jsonl"]
+
+
+def test_cli_reports_an_unknown_profile(results, capsys):
+    assert run_cli(["--results", str(results), "--out-dir", str(results / "out"), "--profile", "std2048"]) == 2
+    assert "no entry has perplexity profile 'std2048'" in capsys.readouterr().err
+    assert not (results / "out").exists()

@@ -1,0 +1,242 @@
+"""The matrix runner: complete entries, resume, failing cells recorded, no cell lost to a kill, model reuse, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_matrices import tiny_matrix, tiny_raw, write_matrix
+from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
+
+from rcpu_bench import compensators, executors
+from rcpu_bench.executors import ModelCache, clone_to, make_executor, run_cell
+from rcpu_bench.experiment import run_experiment
+from rcpu_bench.hookspecs import hookimpl
+from rcpu_bench.matrix import MatrixError, expand, load_matrix
+from rcpu_bench.registry import build_registry, default_registry, plugin_manager
+from rcpu_bench.runner import add_parser, run_matrix
+from rcpu_bench.store import Store
+
+REGISTRY = default_registry()
+TIMEOUT_S = 120
+
+
+def cli(*args: str) -> int:
+    """``rcpu-bench run ARGS`` through a parser built with the runner's add_parser."""
+    parser = argparse.ArgumentParser(prog="rcpu-bench")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    parsed = parser.parse_args(["run", *args])
+    return parsed.func(parsed)
+
+
+@needs_stories
+def test_a_run_stores_a_complete_entry_per_cell_and_a_rerun_skips_them(tmp_path):
+    matrix = tiny_matrix(["wanda-sp", "rcpu-rot"], include_dense=True)
+    summary = run_matrix(matrix, tmp_path, progress=False)
+    assert (summary.total, summary.ok, summary.failed, summary.skipped) == (3, 3, 0, 0)
+    entries = Store(tmp_path).entries()
+    assert [e["cell"]["method"] for e in entries] == ["original", "wanda-sp", "rcpu-rot"]
+    for entry in entries:
+        assert entry["status"] == "ok" and entry["error"] is None and entry["seconds"] > 0
+        assert entry["record"]["experiment"]["prune"]["ratio"] == entry["cell"]["ratio"]
+        assert entry["record"]["perplexity"][0]["profile"] == "tinystories[900:920]"
+    removed = [e["record"]["parameters"]["removed_fraction"] for e in entries]
+    assert removed[0] == 0 < removed[1] == removed[2]
+    # Every cell prunes its own copy of the cached dense model: the last one equals a run that loads the model.
+    fresh = run_experiment(expand(matrix, REGISTRY)[-1].experiment(), progress=False)
+    assert entries[-1]["record"]["perplexity"] == fresh["perplexity"]
+    assert entries[-1]["record"]["calibration_ppl"] == fresh["calibration_ppl"]
+    again = run_matrix(matrix, tmp_path, progress=False)
+    assert (again.ok, again.failed, again.skipped) == (0, 0, 3) and len(Store(tmp_path).entries()) == 3
+    rerun = run_matrix(tiny_matrix(["wanda-sp"]), tmp_path, resume=False, progress=False)
+    assert rerun.ok == 1 and len(Store(tmp_path).entries()) == 4 and len(Store(tmp_path).latest()) == 3
+
+
+def test_a_clone_shares_no_tensor_with_the_dense_model_and_keeps_its_ties():
+    model = tiny_model(tiny_config(tie=True))
+    clone = clone_to(model, "cpu")
+    assert clone.lm_head.weight is clone.model.embed_tokens.weight
+    originals = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    assert not originals & {t.data_ptr() for t in [*clone.parameters(), *clone.buffers()]}
+    ids = tokens(61)
+    before = logits(model, ids)
+    torch.testing.assert_close(logits(clone, ids), before, rtol=0, atol=0)
+    with torch.no_grad():
+        for param in clone.parameters():
+            param.mul_(0.5)
+    torch.testing.assert_close(logits(model, ids), before, rtol=0, atol=0)
+
+
+# --- a plugin whose methods pass the registry's trial run (3 x 4) but break on a real module ----------
+
+def explode(weight, stats, kept, pruned):
+    """Raises on a real module."""
+    if weight.shape[0] > 3:
+        raise RuntimeError("simulated plugin failure")
+    return compensators.none(weight, stats, kept, pruned)
+
+
+def nan_weights(weight, stats, kept, pruned):
+    """NaN weights on a real module (the registry's contract check refuses them)."""
+    result = compensators.none(weight, stats, kept, pruned)
+    if weight.shape[0] > 3:
+        result.weight = torch.full_like(result.weight, float("nan"))
+    return result
+
+
+class FaultyPlugin:
+    @hookimpl
+    def register_compensators(self, register):
+        register("explode", explode)
+        register("nan-weights", nan_weights)
+
+
+@needs_stories
+def test_failing_cells_are_recorded_with_their_traceback_the_run_goes_on_and_a_rerun_retries_them(tmp_path):
+    registry = build_registry(plugin_manager([("faulty", FaultyPlugin())]))
+    faulty = [{"name": name, "scorer": "variance", "compensator": name} for name in ("explode", "nan-weights")]
+    matrix = tiny_matrix([faulty[0], "rcpu-rot", faulty[1]])
+    summary = run_matrix(matrix, tmp_path, progress=False, registry=registry)
+    assert (summary.ok, summary.failed) == (1, 2)
+    entries = {e["cell"]["method_label"]: e for e in Store(tmp_path).entries()}
+    assert entries["RCPU (Rot.)"]["status"] == "ok"
+    exploded, nan = entries["explode"]["error"], entries["nan-weights"]["error"]
+    for name in ("explode", "nan-weights"):
+        assert entries[name]["status"] == "failed" and entries[name]["record"] is None
+    assert exploded["type"] == "RuntimeError" and "in explode" in exploded["traceback"]
+    assert nan["type"] == "PluginContractError" and "NaN" in nan["message"] and "faulty" in nan["message"]
+    again = run_matrix(matrix, tmp_path, progress=False, registry=registry)
+    assert (again.ok, again.failed, again.skipped) == (0, 2, 1)
+
+
+def test_a_non_finite_perplexity_fails_the_cell(monkeypatch):
+    (cell,) = expand(tiny_matrix(["rcpu-rot"]), REGISTRY)
+    record = {"calibration_ppl": 5.0, "perplexity": [{"profile": "tinystories[900:920]", "ppl": float("nan")}]}
+    monkeypatch.setattr(executors, "run_experiment", lambda *args, **kwargs: record)
+    entry = run_cell(cell, REGISTRY, ModelCache())
+    assert entry["status"] == "failed" and entry["record"] is None
+    assert entry["error"]["type"] == "FloatingPointError"
+    assert "non-finite perplexity: {'tinystories[900:920]': nan}" in entry["error"]["message"]
+
+
+@pytest.fixture
+def fake_zeroshot(monkeypatch):
+    """A stand-in for rcpu_bench.zeroshot (lm-eval over seven tasks is far too slow for a test)."""
+    module = types.ModuleType("rcpu_bench.zeroshot")
+    module.plan_zeroshot = lambda: None
+    module.evaluate_zeroshot = lambda model, tokenizer: {"mean": 0.5, "parameters": model.num_parameters()}
+    monkeypatch.setitem(sys.modules, "rcpu_bench.zeroshot", module)
+    return module
+
+
+@needs_stories
+def test_zeroshot_cells_evaluate_the_pruned_model_into_the_record(tmp_path, fake_zeroshot):
+    run_matrix(tiny_matrix(["rcpu-rot"], eval=["ppl", "zeroshot"]), tmp_path, progress=False)
+    (entry,) = Store(tmp_path).entries()
+    assert entry["record"]["zeroshot"] == {"mean": 0.5, "parameters": entry["record"]["parameters"]["after"]}
+
+
+@needs_stories
+def test_missing_zeroshot_data_is_reported_before_any_cell_runs(tmp_path, fake_zeroshot):
+    def plan_zeroshot():
+        raise FileNotFoundError("zero-shot data file(s) not found: boolq.jsonl")
+
+    fake_zeroshot.plan_zeroshot = plan_zeroshot
+    with pytest.raises(MatrixError, match="eval zeroshot: zero-shot data file"):
+        run_matrix(tiny_matrix(["rcpu-rot"], eval=["ppl", "zeroshot"]), tmp_path, progress=False)
+    assert not (tmp_path / "records.jsonl").exists()
+
+
+# --- kills ----------------------------------------------------------------------------------------
+
+RUNNER_SCRIPT = """\
+import argparse, sys
+from rcpu_bench.runner import add_parser
+parser = argparse.ArgumentParser(prog="rcpu-bench")
+add_parser(parser.add_subparsers(dest="command", required=True))
+args = parser.parse_args(sys.argv[1:])
+sys.exit(args.func(args))
+"""
+
+
+def start_runner(script: Path, matrix_file: Path, results: Path, log) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, str(script), "run", "--matrix", str(matrix_file), "--results",
+                             str(results), "--quiet"], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def kill_at(process: subprocess.Popen, store: Store, n_entries: int) -> None:
+    """SIGKILL the runner as soon as the store holds ``n_entries`` lines."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while lines(store.path) < n_entries:
+        assert process.poll() is None, "the runner ended before it could be killed"
+        assert time.monotonic() < deadline, "no entry in time"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait(TIMEOUT_S)
+
+
+@needs_stories
+def test_killed_runs_lose_no_finished_cell_and_a_rerun_completes_the_matrix(tmp_path):
+    matrix_file = write_matrix(tmp_path / "kill.yaml", tiny_raw(["wanda-sp", "rcpu-rot", "rcpu-rot-scale"],
+                                                                ratios=[0.1, 0.2]))
+    ids = {cell.id for cell in expand(load_matrix(str(matrix_file)), REGISTRY)}
+    script, store = tmp_path / "run_matrix.py", Store(tmp_path / "results")
+    script.write_text(RUNNER_SCRIPT, encoding="utf-8")
+    finished: set[str] = set()
+    with open(tmp_path / "runner.log", "wb") as log:
+        for n_entries in (1, 3):
+            kill_at(start_runner(script, matrix_file, store.dir, log), store, n_entries)
+            stored = [entry["cell_id"] for entry in store.entries()]  # every line reads back
+            assert len(stored) == len(set(stored)) and finished <= set(stored) <= ids
+            finished = set(stored)
+        with open(store.path, "ab") as handle:
+            handle.write(b'{"cell_id": "torn')  # a write cut short by a kill
+        assert start_runner(script, matrix_file, store.dir, log).wait(TIMEOUT_S) == 0
+    entries = store.entries()
+    assert sorted(e["cell_id"] for e in entries) == sorted(ids) and {e["status"] for e in entries} == {"ok"}
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+def test_a_dry_run_lists_the_cells_without_running_them(capsys, tmp_path):
+    assert cli("--matrix", "smoke", "--dry-run", "--results", str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("46 cells") and "RCPU (Rot.+Scale)" in out and "wanda-sp+ridge" in out
+    assert not any(tmp_path.iterdir())
+    assert cli("--matrix", "smoke", "--dry-run", "--ratios", "0.5", "--set", "lambdas=[1.0]") == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"{1 + 2 * 5 + 1} cells")
+
+
+@needs_stories
+@pytest.mark.parametrize("args, message", [
+    (["--matrix", "smok"], "shipped: ablation, full, paper, smoke"),
+    (["--matrix", "smoke", "--set", "colour=red"], "unknown key 'colour'"),
+    (["--matrix", "smoke", "--model", "/no/such/model"], "/no/such/model"),
+    (["--matrix", "smoke", "--set", "calib.seqlen=100000"], "seqlen 100000 exceeds"),
+    (["--matrix", "ablation"], "huggyllama/llama-7b"),
+])
+def test_bad_input_is_reported_before_any_cell_runs(capsys, tmp_path, args, message):
+    assert cli(*args, "--results", str(tmp_path), "--quiet") == 2
+    err = capsys.readouterr().err
+    assert "rcpu-bench: error:" in err and message in err
+    assert not (tmp_path / "records.jsonl").exists()
+
+
+def test_the_ray_executor_says_how_to_install_ray_when_it_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ImportError, match=re.escape("pip install 'rcpu-bench[ray]'")):
+        make_executor("ray")

@@ -1,0 +1,89 @@
+"""The result store: entry format, newest entry per cell, torn lines from killed writers, one writer at a time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_matrices import tiny_matrix
+
+from rcpu_bench.matrix import expand
+from rcpu_bench.registry import default_registry
+from rcpu_bench.store import FAILED, OK, Store, StoreBusyError, error_info, make_entry
+
+ENTRY_KEYS = {"cell_id", "status", "error", "cell", "record", "finished_at", "seconds"}
+CELL_KEYS = {"matrix", "model", "model_label", "method", "method_label", "ratio", "n_calib", "seqlen", "calib", "lam",
+             "prune", "ppl_profiles", "eval"}
+
+
+def entry(cell_id: str, status: str = OK) -> dict:
+    return {"cell_id": cell_id, "status": status}
+
+
+def fail() -> None:
+    raise RuntimeError("boom")
+
+
+def test_entries_carry_the_cell_and_either_a_record_or_an_error_with_its_traceback():
+    (cell,) = expand(tiny_matrix(["rcpu-rot"]), default_registry())
+    ok = make_entry(cell, seconds=1.5, record={"perplexity": []})
+    assert set(ok) == ENTRY_KEYS and set(ok["cell"]) >= CELL_KEYS
+    assert (ok["cell_id"], ok["status"], ok["error"], ok["seconds"]) == (cell.id, OK, None, 1.5)
+    assert ok["finished_at"].endswith("+00:00") and ok["cell"]["method_label"] == "RCPU (Rot.)"
+    try:
+        fail()
+    except RuntimeError as raised:
+        failed = make_entry(cell, seconds=0.1, error=error_info(raised))
+    assert failed["status"] == FAILED and failed["record"] is None
+    assert failed["error"]["type"] == "RuntimeError" and failed["error"]["message"] == "boom"
+    assert "in fail" in failed["error"]["traceback"] and json.loads(json.dumps(failed)) == failed
+
+
+def test_the_newest_entry_of_a_cell_wins(tmp_path):
+    store = Store(tmp_path)
+    assert store.entries() == [] and store.finished() == set()
+    with store.writing() as append:
+        for item in (entry("a"), entry("b", FAILED), entry("c", FAILED), entry("b"), entry("a", FAILED)):
+            append(item)
+    assert len(store.entries()) == 5
+    assert {k: e["status"] for k, e in store.latest().items()} == {"a": FAILED, "b": OK, "c": FAILED}
+    assert store.finished() == {"b"}
+
+
+def test_a_torn_last_line_is_skipped_and_cut_before_the_next_append(tmp_path):
+    store = Store(tmp_path)
+    with store.writing() as append:
+        append(entry("a"))
+    with open(store.path, "a", encoding="utf-8") as handle:
+        handle.write('{"cell_id": "b", "sta')  # a writer killed in the middle of a line
+    assert [e["cell_id"] for e in store.entries()] == ["a"]
+    with store.writing() as append:
+        append(entry("c"))
+    assert [e["cell_id"] for e in store.entries()] == ["a", "c"]
+    assert store.path.read_text(encoding="utf-8").count("\n") == 2
+
+
+def test_a_second_writer_is_refused(tmp_path):
+    store = Store(tmp_path)
+    with store.writing(), pytest.raises(StoreBusyError, match="being written by another run"):
+        with Store(tmp_path).writing():
+            pass
+    with Store(tmp_path).writing() as append:  # released again
+        append(entry("a"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.sampled_from([OK, FAILED])), max_size=12),
+       st.text(alphabet='{"abc:, ', max_size=8))
+def test_latest_and_finished_follow_the_last_complete_entry_of_each_cell(tmp_path_factory, appended, torn):
+    store = Store(tmp_path_factory.mktemp("store"))
+    with store.writing() as append:
+        for cell_id, status in appended:
+            append(entry(cell_id, status))
+    with open(store.path, "a", encoding="utf-8") as handle:
+        handle.write(torn.replace("\n", ""))
+    expected = dict(appended)  # the last status of each cell
+    assert {k: e["status"] for k, e in store.latest().items()} == expected
+    assert store.finished() == {k for k, status in expected.items() if status == OK}
