@@ -18,13 +18,15 @@ from rcpu_bench.registry import default_registry
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     registry = default_registry()
-    for kind in ("scorer", "compensator"):
+    for kind in ("scorer", "compensator", "model-method"):
         rows = [(m.name, m.provider, m.needs, ", ".join(f"{k}={v!r}" for k, v in m.params.items()), m.description)
                 for m in registry.methods(kind)]
         print(f"{kind}s:")
         print(tabulate(rows, headers=["name", "provider", "needs", "parameters", "description"]))
         print()
-    return 0
+    for provider, why in registry.broken.items():
+        print(f"plugin {provider} failed to load: {why}")
+    return 1 if registry.broken else 0
 
 
 def _params(pairs: list[str]) -> dict[str, Any]:
@@ -65,7 +67,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
                          rounding=args.rounding, prune=args.prune, compensate=args.compensate, gqa_rule=args.gqa_rule,
                          head_aggregation=args.head_aggregation, statistics=args.statistics,
                          structure=args.structure, recollect_mlp=args.recollect_mlp, offload=args.offload,
-                         batch_size=args.batch_size)
+                         batch_size=args.batch_size, model_method=args.model_method,
+                         model_method_params=_params(args.model_method_param))
     experiment = Experiment(model=args.model or default_model(), prune=config, calib=args.calib, ppl_profiles=tuple(args.ppl),
                             revision=args.revision, dtype=args.dtype, device=args.device,
                             eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
@@ -97,6 +100,9 @@ def _add_prune_parser(commands) -> None:
     p.add_argument("--scorer-param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--compensator", default="procrustes", help="registered compensator")
     p.add_argument("--compensator-param", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--model-method", help="a registered whole-model method (e.g. slicegpt) instead of "
+                   "scorer x compensator")
+    p.add_argument("--model-method-param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--ratio", type=float, default=0.2, help="structural pruning ratio in [0, 1)")
     p.add_argument("--rounding", default="floor", choices=["floor", "ceil"],
                    help="units pruned: floor(ratio*n) (official code) or ceil (paper text)")
@@ -129,7 +135,7 @@ def _add_prune_parser(commands) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rcpu-bench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("plugins", help="list registered scorers and compensators").set_defaults(func=cmd_plugins)
+    commands.add_parser("plugins", help="list registered scorers, compensators and model methods").set_defaults(func=cmd_plugins)
     _add_prune_parser(commands)
     for module in (runner, tables, plots, zeroshot):
         module.add_parser(commands)

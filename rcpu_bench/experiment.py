@@ -56,6 +56,8 @@ class Experiment:
             perplexity.profile_source(profile, self.data_dir)
         if self.save_dir and Path(self.save_dir).exists() and any(Path(self.save_dir).iterdir()):
             raise FileExistsError(f"--save directory {self.save_dir} exists and is not empty")
+        if self.save_dir and self.prune.model_method and registry.get("model-method", self.prune.model_method).save is None:
+            raise ValueError(f"the model method {self.prune.model_method!r} registered no save function; drop --save")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,9 +106,14 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         "layers": [{k: v for k, v in layer.items() if k != "seconds"} for layer in report.layers],
         "peak_memory_bytes": report.peak_memory_bytes,
     }
+    if report.method_report is not None:
+        record["method_report"] = report.method_report
     if evaluate:
         record.update(evaluate(model, tokenizer))
-    if experiment.save_dir:
+    if experiment.save_dir and experiment.prune.model_method:
+        registry.get("model-method", experiment.prune.model_method).save(
+            model, experiment.save_dir, tokenizer=tokenizer, report=report.method_report)
+    elif experiment.save_dir:
         save_pruned(model, experiment.save_dir, tokenizer=tokenizer, method=experiment.prune.to_dict(),
                     provenance=loaded.provenance)
     return record

@@ -30,4 +30,9 @@ def register_compensators(register):
 
 @hookspec
 def register_model_methods(register):
-    """Register whole-model methods (e.g. SliceGPT): ``register("name", fn, description=...)``."""
+    """Register whole-model methods (e.g. SliceGPT): ``register("name", fn, save=..., load=...)``.
+
+    A model method changes the model's structure beyond what ``save_pruned`` describes, so it brings its
+    own ``save(model, directory, *, tokenizer, report)``, which must also write an ``rcpu_manifest.json``
+    with ``{"format": ..., "model_method": name}``, and ``load(directory, *, dtype, device)``.
+    """

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+MODULES = ("attention", "mlp")  # the prunable modules of a decoder layer: heads (o_proj) and channels (down_proj)
+
+
 @dataclass(frozen=True)
 class MethodAlias:
     """A named method of the paper's tables and the PruneConfig fields it stands for."""
@@ -25,6 +28,10 @@ ALIASES: dict[str, MethodAlias] = {a.key: a for a in (
                 lambda_grid=True),
     MethodAlias("rcpu-rot", "RCPU (Rot.)", {"scorer": "variance", "compensator": "procrustes"}),
     MethodAlias("rcpu-rot-scale", "RCPU (Rot.+Scale)", {"scorer": "variance", "compensator": "scaled-procrustes"}),
+    # Needs the rcpu-slicegpt plugin (plugins/rcpu-slicegpt): ratio = sliced hidden fraction, or parameters removed.
+    MethodAlias("slicegpt", "SliceGPT", {"model_method": "slicegpt"}),
+    MethodAlias("slicegpt-params", "SliceGPT (param. budget)",
+                {"model_method": "slicegpt", "model_method_params": {"budget": "params"}}),
 )}
 
 
@@ -44,5 +51,5 @@ def label_of(prune: dict[str, Any]) -> str | None:
 
 def _defaults_elsewhere(prune: dict[str, Any], alias: MethodAlias) -> bool:
     """The fields an alias does not set keep their defaults (so e.g. a one-shot RCPU run is not 'RCPU')."""
-    defaults = {"structure": "uniform", "statistics": "sequential"}
+    defaults = {"structure": "uniform", "statistics": "sequential", "model_method": None, "model_method_params": {}}
     return all(prune.get(k, v) == v for k, v in defaults.items() if k not in alias.prune)

@@ -150,19 +150,46 @@ def load_pruned(directory: str | os.PathLike, *, dtype: str = "float32", device:
     The weights are loaded strictly (every tensor present, shapes equal) and the parameter count is
     checked against the manifest's. The tokenizer is None when none was saved.
     """
-    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     directory = Path(directory)
     manifest = read_manifest(directory)
     config = AutoConfig.from_pretrained(directory)
-    model = build_skeleton(config, manifest["layers"], torch_dtype)
-    model.to_empty(device=torch_device)
-    model.init_weights()  # computes the non-persistent buffers (RoPE inv_freq) and re-ties the embeddings
-    load_model(model, directory / manifest["weights"], strict=True, device=str(torch_device))
-    count = parameter_count(model)
-    if count != manifest["parameter_count"]:
-        raise ValueError(f"the rebuilt model has {count} parameters; the manifest says {manifest['parameter_count']}")
+    model = build_skeleton(config, manifest["layers"], resolve_dtype(dtype))
+    return materialize(model, directory, manifest["weights"], manifest["parameter_count"], dtype=dtype, device=device,
+                       method=manifest["method"], source=manifest["provenance"])
+
+
+def materialize(skeleton: PreTrainedModel, directory: Path, weights: str, expected_count: int, *, dtype: str,
+                device: str, **provenance: Any) -> LoadedModel:
+    """Fill a weightless (meta) model of the saved shape from ``directory``: strict load, parameter count checked.
+
+    Shared by every saved-model format (ours and the model-method plugins'); ``provenance`` joins the record.
+    """
+    torch_device = resolve_device(device)
+    skeleton.to_empty(device=torch_device)
+    skeleton.init_weights()  # computes the non-persistent buffers (RoPE inv_freq) and re-ties the embeddings
+    load_model(skeleton, directory / weights, strict=True, device=str(torch_device))
+    count = parameter_count(skeleton)
+    if count != expected_count:
+        raise ValueError(f"the rebuilt model has {count} parameters; the manifest says {expected_count}")
     tokenizer = AutoTokenizer.from_pretrained(directory) if (directory / "tokenizer_config.json").is_file() else None
-    provenance = {"name_or_path": str(directory), "dtype": dtype, "device": device,
-                  "config_class": type(config).__name__, "model_class": type(model).__name__,
-                  "parameter_count": count, "method": manifest["method"], "source": manifest["provenance"]}
-    return LoadedModel(model.eval(), tokenizer, provenance)
+    info = {"name_or_path": str(directory), "dtype": dtype, "device": device,
+            "config_class": type(skeleton.config).__name__, "model_class": type(skeleton).__name__,
+            "parameter_count": count, **provenance}
+    return LoadedModel(skeleton.eval(), tokenizer, info)
+
+
+def load_saved(directory: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
+               registry: Any = None) -> LoadedModel:
+    """Load a directory written by ``save_pruned`` or by a whole-model method's saver (named in its manifest)."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {directory} is not a saved pruned model")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") == FORMAT or "model_method" not in manifest:
+        return load_pruned(directory, dtype=dtype, device=device)
+    from rcpu_bench.registry import default_registry  # the registry imports the plugins, which import this module
+
+    method = (registry or default_registry()).get("model-method", manifest["model_method"])
+    if method.load is None:
+        raise ValueError(f"the model method {method.name!r} ({method.provider}) registered no load function")
+    return method.load(directory, dtype=dtype, device=device)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from rcpu_bench.methods import MODULES
 from rcpu_bench.models import decoder_layers, layer_geometry
 from rcpu_bench.registry import Registry, default_registry
 from rcpu_bench.scorers import unit_scores
@@ -29,7 +30,6 @@ from rcpu_bench.selection import Rounding, Selection, n_pruned, select_by_score,
 from rcpu_bench.stats import ActivationStats, collect_input_stats
 from rcpu_bench.surgery import prune_attention, prune_mlp
 
-MODULES = ("attention", "mlp")
 _PROJ = {"attention": "o_proj", "mlp": "down_proj"}
 
 
@@ -52,12 +52,18 @@ class PruneConfig:
     recollect_mlp: bool = False
     offload: bool = False
     batch_size: int = 8
+    model_method: str | None = None  # a registered whole-model method (e.g. slicegpt) instead of scorer × compensator
+    model_method_params: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, registry: Registry) -> None:
         """Raise a clear error for any bad value before work starts."""
         registry.scorer(self.scorer).validate(self.scorer_params)
         registry.compensator(self.compensator).validate(self.compensator_params)
         n_pruned(100, self.ratio, self.rounding)
+        if self.model_method is not None:
+            registry.get("model-method", self.model_method).validate(self.model_method_params)
+            if self.offload:
+                raise ValueError(f"offload=True is not supported with the whole-model method {self.model_method!r}")
         choices = {"gqa_rule": ("group", "query"), "head_aggregation": ("sum", "standardized-mean"),
                    "statistics": ("sequential", "one-shot"), "structure": ("uniform", "al-am")}
         for key, allowed in choices.items():
@@ -240,6 +246,7 @@ class PruneReport:
     layers: list[dict[str, Any]]
     seconds: dict[str, float]
     peak_memory_bytes: int
+    method_report: dict[str, Any] | None = None  # what a whole-model method reported
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -258,6 +265,8 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if config.model_method is not None:
+        return _run_model_method(model, calib_ids, config, registry, device)
     layers = decoder_layers(model)
     selections = global_selections(model, calib_ids, config, registry, device) if config.structure == "al-am" else None
     totals = Timer(device)
@@ -276,6 +285,16 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         for key, value in timer.seconds.items():
             totals.seconds[key] = totals.seconds.get(key, 0.0) + value
     return PruneReport(reports, totals.seconds, _peak_memory(device))
+
+
+def _run_model_method(model: nn.Module, calib_ids: Tensor, config: PruneConfig, registry: Registry,
+                      device: torch.device) -> PruneReport:
+    """Hand the whole model to a registered model method (ratio and its own parameters)."""
+    timer = Timer(device)
+    method = registry.get("model-method", config.model_method)
+    with timer(config.model_method):
+        report = method(model, calib_ids.to(device), ratio=config.ratio, **config.model_method_params)
+    return PruneReport([], timer.seconds, _peak_memory(device), report)
 
 
 def _capture(model: nn.Module, calib_ids: Tensor, config: PruneConfig, device: torch.device) -> list[LayerInput]:

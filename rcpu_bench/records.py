@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+STORE_FILE = "records.jsonl"  # a results directory's store (rcpu_bench.store)
 _LIBRARIES = ("rcpu-bench", "torch", "transformers", "datasets", "lm_eval", "pluggy")
 
 

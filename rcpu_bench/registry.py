@@ -8,6 +8,7 @@ reported with both providers.
 from __future__ import annotations
 
 import inspect
+from importlib import metadata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -21,6 +22,8 @@ from rcpu_bench.stats import ActivationStats
 
 Kind = Literal["scorer", "compensator", "model-method"]
 NEEDS = ("moments", "gram")
+# A compensator that reports info["orthogonality_error"] declares Q orthogonal; float32 SVDs reach ~1e-5.
+ORTHOGONALITY_TOLERANCE = 1e-3
 _HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "compensator": "register_compensators",
                            "model-method": "register_model_methods"}
 
@@ -40,6 +43,8 @@ class Method:
     needs: str = "moments"
     description: str = ""
     params: dict[str, Any] = field(default_factory=dict)
+    save: Callable[..., Any] | None = None  # model methods: save(model, directory, *, tokenizer, report)
+    load: Callable[..., Any] | None = None  # model methods: load(directory, *, dtype, device) -> LoadedModel
 
     def check_params(self, params: dict[str, Any]) -> None:
         unknown = sorted(set(params) - set(self.params))
@@ -89,6 +94,9 @@ def _check_compensation(result: Any, weight: torch.Tensor, _stats: Any, kept: to
         return f"returned a bias of shape {tuple(result.bias.shape)}, expected ({weight.shape[0]},)"
     if not torch.isfinite(result.weight).all() or (result.bias is not None and not torch.isfinite(result.bias).all()):
         return "returned NaN or infinite weights"
+    orthogonality = getattr(result, "info", {}).get("orthogonality_error")
+    if orthogonality is not None and not orthogonality <= ORTHOGONALITY_TOLERANCE:
+        return f"declared an orthogonal update but ‖QᵀQ − I‖_F = {orthogonality:.3g} > {ORTHOGONALITY_TOLERANCE}"
     return None
 
 
@@ -114,21 +122,26 @@ class Registry:
 
     def __init__(self) -> None:
         self._methods: dict[Kind, dict[str, Method]] = {kind: {} for kind in _HOOKS}
+        self.broken: dict[str, str] = {}  # provider -> why it could not be loaded or registered
 
     def add(self, kind: Kind, name: str, fn: Callable[..., Any], provider: str, *, needs: str = "moments",
-            description: str | None = None) -> None:
+            description: str | None = None, save: Callable[..., Any] | None = None,
+            load: Callable[..., Any] | None = None) -> None:
         if needs not in NEEDS:
             raise ValueError(f"{kind} {name!r} from {provider}: needs={needs!r}; allowed: {', '.join(NEEDS)}")
         existing = self._methods[kind].get(name)
         if existing:
             raise ValueError(f"duplicate {kind} name {name!r}: registered by {existing.provider} and by {provider}")
         summary = description or (inspect.getdoc(fn) or "").split("\n")[0]
-        self._methods[kind][name] = Method(kind, name, fn, provider, needs, summary, _parameters(fn))
+        if (save or load) and kind != "model-method":
+            raise ValueError(f"{kind} {name!r} from {provider}: only model methods take save= and load=")
+        self._methods[kind][name] = Method(kind, name, fn, provider, needs, summary, _parameters(fn), save, load)
 
     def registrar(self, kind: Kind, provider: str) -> Callable[..., None]:
         """The ``register`` callable handed to one plugin's hook."""
-        def register(name: str, fn: Callable[..., Any], *, needs: str = "moments", description: str | None = None):
-            self.add(kind, name, fn, provider, needs=needs, description=description)
+        def register(name: str, fn: Callable[..., Any], *, needs: str = "moments", description: str | None = None,
+                     save: Callable[..., Any] | None = None, load: Callable[..., Any] | None = None):
+            self.add(kind, name, fn, provider, needs=needs, description=description, save=save, load=load)
         return register
 
     def get(self, kind: Kind, name: str) -> Method:
@@ -138,7 +151,8 @@ class Registry:
             return self._methods[kind][name]
         except KeyError:
             known = ", ".join(sorted(self._methods[kind])) or "none"
-            raise KeyError(f"unknown {kind} {name!r}; registered {kind}s: {known}") from None
+            broken = "".join(f"; plugin {p} failed to load: {why}" for p, why in self.broken.items())
+            raise KeyError(f"unknown {kind} {name!r}; registered {kind}s: {known}{broken}") from None
 
     def scorer(self, name: str) -> Method:
         return self.get("scorer", name)
@@ -150,31 +164,53 @@ class Registry:
         return sorted(self._methods[kind].values(), key=lambda m: m.name)
 
 
-def plugin_manager(extra_plugins: Iterable[tuple[str, object]] = (), *, entry_points: bool = True) -> pluggy.PluginManager:
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager with our hook specs, each plugin's provider name and the plugins that failed to load."""
+
+    def __init__(self) -> None:
+        super().__init__("rcpu_bench")
+        self.add_hookspecs(hookspecs)
+        self.providers: dict[str, str] = {}
+        self.broken: dict[str, str] = {}
+
+    def load_entry_points(self) -> None:
+        """Register every ``rcpu_bench`` entry point; one that fails to import or validate is recorded, not fatal."""
+        for entry in metadata.entry_points(group="rcpu_bench"):
+            provider = f"{entry.name} ({entry.dist.name} {entry.dist.version})" if entry.dist else entry.name
+            try:
+                self.register(entry.load(), name=entry.name)
+            except Exception as error:  # noqa: BLE001 - a broken plugin must not take the others down
+                self.broken[provider] = f"{type(error).__name__}: {error}"
+            else:
+                self.providers[entry.name] = provider
+
+
+def plugin_manager(extra_plugins: Iterable[tuple[str, object]] = (), *, entry_points: bool = True) -> PluginManager:
     """A plugin manager with the entry-point plugins (the built-ins included) and any extra (name, plugin)."""
-    pm = pluggy.PluginManager("rcpu_bench")
-    pm.add_hookspecs(hookspecs)
+    pm = PluginManager()
     if entry_points:
-        pm.load_setuptools_entrypoints("rcpu_bench")
+        pm.load_entry_points()
     for name, plugin in extra_plugins:
         pm.register(plugin, name=name)
     return pm
 
 
-def _provider(pm: pluggy.PluginManager, plugin_name: str) -> str:
-    plugin = pm.get_plugin(plugin_name)
-    for registered, dist in pm.list_plugin_distinfo():
-        if registered is plugin:
-            return f"{plugin_name} ({dist.project_name} {dist.version})"
-    return plugin_name
+def build_registry(pm: PluginManager) -> Registry:
+    """Call every plugin's hooks with a ``register`` bound to that plugin's name.
 
-
-def build_registry(pm: pluggy.PluginManager) -> Registry:
-    """Call every plugin's hooks with a ``register`` bound to that plugin's name."""
+    A plugin whose hook raises is recorded in ``registry.broken`` (with its provider and error) and skipped.
+    """
     registry = Registry()
+    registry.broken.update(pm.broken)
     for kind, hook_name in _HOOKS.items():
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            impl.function(register=registry.registrar(kind, _provider(pm, impl.plugin_name)))
+            provider = pm.providers.get(impl.plugin_name, impl.plugin_name)
+            try:
+                impl.function(register=registry.registrar(kind, provider))
+            except ValueError:
+                raise  # duplicate names and bad declarations are the user's to fix
+            except Exception as error:  # noqa: BLE001
+                registry.broken[provider] = f"{hook_name} raised {type(error).__name__}: {error}"
     if not registry.methods("scorer") or not registry.methods("compensator"):
         raise RuntimeError("no scorers or compensators are registered: the 'rcpu_bench' entry points were not "
                            "found. Install the package (pip install -e .) so its built-in plugin is registered.")

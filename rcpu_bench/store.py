@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from rcpu_bench.matrix import Cell
-from rcpu_bench.records import append_record, read_records
+from rcpu_bench.records import STORE_FILE, append_record, read_records
 
-RECORDS = "records.jsonl"
+RECORDS = STORE_FILE
 OK, FAILED = "ok", "failed"
 
 log = logging.getLogger(__name__)

@@ -24,18 +24,19 @@ from typing import Any, Literal
 
 from tabulate import tabulate
 
-from rcpu_bench.methods import ALIASES, label_of
+from rcpu_bench.methods import ALIASES, MODULES, label_of
+from rcpu_bench.metric_maps import METRIC_MAPS
 from rcpu_bench.paths import shared_dir
-from rcpu_bench.records import read_records
+from rcpu_bench.perplexity import get_profile
+from rcpu_bench.records import STORE_FILE, read_records
 
-STORE_FILE = "records.jsonl"
+
 PAPER_CSV = Path("reference") / "rcpu_paper_tables.csv"
 PAPER_PROFILE = "rcpu128"  # the paper's WikiText-2 perplexities use the seqlen-128 protocol
 ORIGINAL = ALIASES["original"].label
 ROT = ALIASES["rcpu-rot"].label
 SHADED = frozenset({ROT, ALIASES["rcpu-rot-scale"].label})  # the paper's gray RCPU rows
-# rcpu_bench.pipeline.MODULES, not imported because the pipeline pulls in transformers.
-BOTH_MODULES = frozenset({"attention", "mlp"})
+BOTH_MODULES = frozenset(MODULES)
 ABLATION_LABELS = {
     frozenset(): f"{ROT} compensating none",
     frozenset({"attention"}): f"{ROT} compensating o_proj only",
@@ -243,31 +244,13 @@ def _si(value: float) -> str:
 
 
 PPL = Metric("wikitext2_ppl", "", "lower")
-TASKS = {"boolq": "BoolQ", "piqa": "PIQA", "hellaswag": "Hella", "winogrande": "Wino", "arc_easy": "ARC-e",
-         "arc_challenge": "ARC-c", "openbookqa": "OBQA"}
+TASK_HEADERS = {"boolq": "BoolQ", "piqa": "PIQA", "hellaswag": "Hella", "winogrande": "Wino", "arc_easy": "ARC-e",
+                "arc_challenge": "ARC-c", "openbookqa": "OBQA"}
 MEAN = Metric("mean", "Mean", "higher")
 EFFICIENCY = (Metric("params", "Params", "lower", decimals=0, style="si"),
               Metric("memory_mib", "Peak memory (MiB)", "lower", decimals=0, style="grouped"),
               Metric("seconds_per_layer", "Seconds per layer", "lower"))
-METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASKS.items()), MEAN, *EFFICIENCY)}
-
-METRIC_MAPS: dict[str, dict[str, str]] = {
-    # The paper's map, read off its dense rows. BoolQ and WinoGrande: acc, the only metric lm-eval has.
-    # HellaSwag, ARC-e, ARC-c, OBQA: acc_norm. Dense Llama-7B scores 76.18 / 72.85 / 44.79 / 44.40 there; its
-    # acc is about 57 / 75 / 42 / 34 (Wanda's tables), so only acc_norm reaches 76 and 44 and only acc_norm
-    # lies below acc on ARC-e; methods-spec §3.5 (LLM-Pruner #25) finds acc_norm for HellaSwag and OBQA in
-    # this line of papers too. PIQA: acc, not acc_norm as first proposed. §4's dense row (78.35, an older
-    # harness) cannot tell them apart, but the paper's 78.67 is, as recalled, lm-eval's PIQA acc of LLaMA-7B
-    # (acc_norm about 79.2), and its dense Llama-2-13B PIQA 79.05 is far from SliceGPT's acc_norm 80.47 while
-    # the acc_norm tasks agree within 0.2 points. The recalled figures are unchecked here: a dense Llama-7B
-    # run (both metrics are recorded) settles it. rcpu_bench.zeroshot.METRIC_MAPS holds the same maps.
-    "paper": {"boolq": "acc", "piqa": "acc", "hellaswag": "acc_norm", "winogrande": "acc",
-              "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "openbookqa": "acc_norm"},
-    # SliceGPT's run_lm_eval.py: acc_norm for piqa, hellaswag and the ARC tasks; acc for the others.
-    "slicegpt": {"boolq": "acc", "piqa": "acc_norm", "hellaswag": "acc_norm", "winogrande": "acc",
-                 "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "openbookqa": "acc"},
-}
-
+METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASK_HEADERS.items()), MEAN, *EFFICIENCY)}
 
 def ppl_of(profile: str) -> Extract:
     """The perplexity of one profile from a record."""
@@ -421,7 +404,8 @@ class Spec:
 def spec(kind: str, profile: str = PAPER_PROFILE, metric_map: str = "paper") -> Spec:
     """The spec of one table kind."""
     if kind == "ppl":
-        return Spec(f"WikiText-2 perplexity ({profile}, lower is better)", method_row, ((PPL, ppl_of(profile)),),
+        dataset = get_profile(profile).dataset.replace("wikitext2-test", "WikiText-2").replace("tinystories", "TinyStories")
+        return Spec(f"{dataset} perplexity ({profile}, lower is better)", method_row, ((PPL, ppl_of(profile)),),
                     per_slot=False, paper="ppl")
     if kind == "ablation":
         return Spec(f"{ROT}: perplexity ({profile}) by compensated module", ablation_row,

@@ -58,12 +58,12 @@ from rcpu_bench.models import (
     resolve_dtype,
 )
 from rcpu_bench.paths import data_dir as default_data_dir
-from rcpu_bench.persistence import MANIFEST, load_pruned, read_manifest
+from rcpu_bench.persistence import MANIFEST, load_saved, read_manifest
+from rcpu_bench.metric_maps import METRIC_MAPS, TASKS, table_metric
 from rcpu_bench.records import append_record, library_versions
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 SOURCES = ("auto", "local", "hub")
 TASK_DIR = Path(__file__).with_name("tasks")
 # The built-in task configs, relative to lm_eval/tasks.
@@ -74,38 +74,6 @@ BUILTIN_YAML = {"boolq": "super_glue/boolq/default.yaml", "piqa": "piqa/piqa.yam
 STATISTICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 HUB_TIMEOUT_S = 3.0
 _TRUE = {"1", "ON", "YES", "TRUE"}
-
-METRIC_MAPS: dict[str, dict[str, str]] = {
-    "paper": {"boolq": "acc", "piqa": "acc", "hellaswag": "acc_norm", "winogrande": "acc",
-              "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "openbookqa": "acc_norm"},
-    "slicegpt": {"boolq": "acc", "piqa": "acc_norm", "hellaswag": "acc_norm", "winogrande": "acc",
-                 "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "openbookqa": "acc"},
-}
-
-
-def table_metric(task: str, metric_map: str = "paper") -> str:
-    """The metric that a results table shows for ``task`` under ``metric_map`` (``METRIC_MAPS``).
-
-    ``slicegpt``: SliceGPT's ``run_lm_eval.py`` reports acc_norm for piqa, hellaswag, arc_easy and
-    arc_challenge and acc for winogrande; boolq and openbookqa are not in its task list and take acc.
-
-    ``paper`` (the RCPU paper's tables tab:benchmark / tab:benchmark2, made with lm-eval), read off the
-    dense rows:
-
-    - BoolQ and WinoGrande: acc, the only metric lm-eval has for them.
-    - HellaSwag, ARC-e, ARC-c, OBQA: acc_norm. Dense Llama-7B scores 76.18 / 72.85 / 44.79 / 44.40;
-      lm-eval's acc for that model is about 57 / 75 / 42 / 34 (e.g. Wanda's tables): only acc_norm
-      reaches 76 on HellaSwag and 44 on OBQA, and only acc_norm lies below acc on ARC-e.
-    - PIQA: acc, not acc_norm. The dense Llama-2-13B row matches SliceGPT's paper, which reports
-      acc_norm, within 0.2 points on HellaSwag (79.37 vs 79.39), ARC-e (77.44 vs 77.48), ARC-c (49.06
-      vs 49.23) and WinoGrande (72.14 vs 72.22, acc), but its PIQA is 79.05 against SliceGPT's acc_norm
-      80.47; acc is the only other PIQA metric.
-
-    The Wanda and SliceGPT figures are recalled from those papers; the paper's own numbers are in
-    ``shared/reference/rcpu_paper_tables.csv``.
-    """
-    return METRIC_MAPS[metric_map][task]
-
 
 def resolved_data_dir(data_dir: str | os.PathLike | None) -> Path:
     """``data_dir``, or ``$RCPU_BENCH_DATA`` / the shared data directory when None."""
@@ -367,10 +335,10 @@ def check_model_argument(name: str, revision: str | None) -> None:
 
 
 def load_for_eval(name: str, *, revision: str | None, dtype: str, device: str) -> LoadedModel:
-    """``load_pruned`` for a directory written by save_pruned, else ``load_model`` (directory or hub id)."""
+    """``load_saved`` for a directory written by save_pruned (or a model method), else ``load_model``."""
     directory = pruned_directory(name)
     if directory is not None:
-        return load_pruned(directory, dtype=dtype, device=device)
+        return load_saved(directory, dtype=dtype, device=device)
     return load_model(name, dtype=dtype, device=device, revision=revision)
 
 

@@ -18,7 +18,7 @@ QUICK = ["--model", str(STORIES_MHA), "--calib", "tinystories:8x64", "--ppl", "t
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/model"], "/no/such/model"),
     (["--ratio", "1.0"], "ratio 1.0"),
-    (["--scorer", "nope"], "registered scorers: flap-wifv, magnitude, variance, wanda-sp"),
+    (["--scorer", "nope"], "unknown scorer 'nope'; registered scorers: flap-wifv, magnitude"),
     (["--compensator-param", "alpha=1"], "allowed: dtype"),
     (["--compensator", "ridge", "--compensator-param", "lam=-1"], "lam=-1"),
     (["--scorer", "wanda-sp", "--scorer-param", "variant='l1'"], "allowed: 'flap', 'rcpu-code', 'paper'"),

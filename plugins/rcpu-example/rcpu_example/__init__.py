@@ -1,0 +1,1 @@
+"""An example rcpu-bench plugin package."""

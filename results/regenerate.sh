@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Regenerates the committed leaderboard in results/smoke: the smoke matrix on stories260K-mha (the
+# matrix's own model) and on the GQA original stories260K, then the tables and plots from the records.
+# Resumable: finished cells are kept; delete results/smoke/records.jsonl to recompute everything.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=results/smoke
+rcpu-bench run --matrix smoke --results "$out" --quiet
+rcpu-bench run --matrix smoke --model '${shared}/models/stories260K' --results "$out" --quiet
+for format in md latex csv; do
+  rcpu-bench tables --results "$out" --table all --format "$format" --out "$out/tables.$format"
+done
+rcpu-bench tables --results "$out" --table ppl --profile "tinystories[500:1000]" --out "$out/tables-tinystories.md"
+rcpu-bench plots --results "$out" --out-dir "$out/plots"
