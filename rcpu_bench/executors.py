@@ -94,7 +94,7 @@ def evaluations(cell: Cell) -> Callable[[Any, Any], dict[str, Any]] | None:
         return None
     from rcpu_bench.zeroshot import evaluate_zeroshot  # lm-eval: imported only when asked for
 
-    return lambda model, tokenizer: {"zeroshot": evaluate_zeroshot(model, tokenizer)}
+    return lambda model, tokenizer: {"zeroshot": evaluate_zeroshot(model, tokenizer, limit=cell.zeroshot_limit)}
 
 
 def run_cell(cell: Cell, registry: Registry, models: ModelCache) -> dict[str, Any]:

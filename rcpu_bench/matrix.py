@@ -24,6 +24,8 @@ model (ratio 0) when ``include_dense`` is set. The keys (shipped matrices live i
     include_dense: true
     dtype: float32
     device: cpu
+    eval_batch_size: 8              # sequences per perplexity batch (does not change results)
+    zeroshot_limit: null            # examples per zero-shot task, for quick runs (null: all)
     prune: {batch_size: 8}          # PruneConfig fields for every method (a method's own fields win)
     ablation: {compensate: [none, o_proj, down_proj, both]}
 
@@ -66,7 +68,7 @@ COMPENSATE_VARIANTS: dict[str, tuple[str, ...]] = {
 PRUNE_FIELDS = tuple(f.name for f in fields(PruneConfig) if f.name != "ratio")
 _TUPLE_FIELDS = ("prune", "compensate")
 TOP_KEYS = ("name", "models", "methods", "ratios", "calib", "lambdas", "eval", "ppl_profiles", "include_dense",
-            "dtype", "device", "eval_batch_size", "prune", "ablation")
+            "dtype", "device", "eval_batch_size", "zeroshot_limit", "prune", "ablation")
 MODEL_KEYS = ("model", "label", "revision")
 CALIB_KEYS = ("source", "n_calib", "seqlen", "seed")
 CUSTOM_KEYS = ("name", *PRUNE_FIELDS)
@@ -74,6 +76,10 @@ PRODUCT_KEYS = ("scorers", "compensators")
 ABLATION_KEYS = ("compensate",)
 # What a cell computes is its configuration without these: renaming or moving a run keeps its cells.
 NOT_HASHED = ("matrix", "model_label", "method", "method_label", "device", "eval_batch_size")
+# Fields added after results were stored, with their unset value: hashed only when set, so the ids of
+# stored cells stay valid.
+HASHED_WHEN_SET = {"zeroshot_limit": None}
+PRUNE_HASHED_WHEN_SET = {"model_method": None, "model_method_params": {}}
 
 
 class MatrixError(ValueError):
@@ -365,6 +371,7 @@ class Matrix:
     dtype: str = "float32"
     device: str = "cpu"
     eval_batch_size: int = 8  # sequences per perplexity batch; does not change the result
+    zeroshot_limit: int | None = None  # examples per zero-shot task (None: all), for quick runs
     prune: dict[str, Any] = field(default_factory=dict)  # PruneConfig fields for every method
     compensate: tuple[str, ...] = ()  # ablation variants (COMPENSATE_VARIANTS keys); () = no ablation
 
@@ -403,6 +410,7 @@ def parse_matrix(raw: Any, default_name: str = "matrix") -> Matrix:
         dtype=_checked("dtype", resolve_dtype, raw.get("dtype", "float32")),
         device=_checked("device", resolve_device, raw.get("device", "cpu")),
         eval_batch_size=_int("eval_batch_size", raw.get("eval_batch_size", 8), 1),
+        zeroshot_limit=None if raw.get("zeroshot_limit") is None else _int("zeroshot_limit", raw["zeroshot_limit"], 1),
         prune=_prune_fields("prune", raw.get("prune", {})),
         compensate=_ablation(raw.get("ablation", {})),
     )
@@ -508,6 +516,7 @@ class Cell:
     dtype: str
     device: str
     eval_batch_size: int = 8
+    zeroshot_limit: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The cell as JSON data (tuples as lists), as the store records it."""
@@ -516,7 +525,8 @@ class Cell:
     @cached_property
     def id(self) -> str:
         """sha256 of the canonical JSON of what the cell computes (everything but NOT_HASHED), 16 hex digits."""
-        config = {k: v for k, v in self.to_dict().items() if k not in NOT_HASHED}
+        config = _drop_unset({k: v for k, v in self.to_dict().items() if k not in NOT_HASHED}, HASHED_WHEN_SET)
+        config["prune"] = _drop_unset(config["prune"], PRUNE_HASHED_WHEN_SET)
         canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -539,6 +549,10 @@ class Cell:
         """Model, method, ratio, N and λ in one line."""
         lam = f" λ={self.lam:g}" if self.lam is not None else ""
         return f"{self.model_label} | {self.method_name()} | ρ={self.ratio:g} N={self.n_calib}{lam}"
+
+
+def _drop_unset(config: dict[str, Any], unset: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if not (k in unset and v == unset[k])}
 
 
 def method_specs(matrix: Matrix, registry: Registry) -> list[MethodSpec]:
@@ -568,7 +582,8 @@ def _cell(matrix: Matrix, model: ModelSpec, spec: MethodSpec, ratio: float, n_ca
                 method=spec.key, method_label=spec.label, ratio=ratio, n_calib=n_calib, seqlen=matrix.calib.seqlen,
                 calib=matrix.calib.spec(n_calib), lam=prune["compensator_params"].get("lam"), prune=prune,
                 ppl_profiles=matrix.ppl_profiles if "ppl" in matrix.eval else (), eval=matrix.eval,
-                dtype=matrix.dtype, device=matrix.device, eval_batch_size=matrix.eval_batch_size)
+                dtype=matrix.dtype, device=matrix.device, eval_batch_size=matrix.eval_batch_size,
+                zeroshot_limit=matrix.zeroshot_limit if "zeroshot" in matrix.eval else None)
 
 
 def _dense(matrix: Matrix, model: ModelSpec) -> Cell:

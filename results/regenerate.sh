@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Regenerates the committed leaderboard in results/smoke: the smoke matrix on stories260K-mha (the
+# Regenerates the committed leaderboard in results/leaderboard: the smoke matrix on stories260K-mha (the
 # matrix's own model) and on the GQA original stories260K, then the tables and plots from the records.
-# Resumable: finished cells are kept; delete results/smoke/records.jsonl to recompute everything.
+# Resumable: finished cells are kept; delete results/leaderboard/records.jsonl to recompute everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=results/smoke
+out=results/leaderboard
 rcpu-bench run --matrix smoke --results "$out" --quiet
 rcpu-bench run --matrix smoke --model '${shared}/models/stories260K' --results "$out" --quiet
 for format in md latex csv; do
@@ -12,3 +12,6 @@ for format in md latex csv; do
 done
 rcpu-bench tables --results "$out" --table ppl --profile "tinystories[500:1000]" --out "$out/tables-tinystories.md"
 rcpu-bench plots --results "$out" --out-dir "$out/plots"
+# Zero-shot accuracy (all seven tasks, 300 examples each) of stories260K dense and pruned by 20 %.
+rcpu-bench run --matrix results/zeroshot/matrix.yaml --results results/zeroshot --quiet
+rcpu-bench tables --results results/zeroshot --table zeroshot --out results/zeroshot/tables.md

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 from tiny_matrices import tiny_raw, write_matrix
@@ -212,3 +214,10 @@ def test_a_matrix_file_is_read_with_yaml_1_1_numbers_and_named_after_its_stem(tm
 def test_an_unknown_matrix_lists_the_shipped_ones():
     with pytest.raises(MatrixError, match="no matrix file or shipped matrix 'smok'; shipped: ablation, full, paper"):
         load_matrix("smok")
+
+
+def test_cell_ids_of_the_committed_leaderboard_stay_valid():
+    """A change to what a cell hashes would orphan every stored result: the smoke cells must keep their ids."""
+    store = Path(__file__).resolve().parent.parent / "results" / "leaderboard" / "records.jsonl"
+    stored = {json.loads(line)["cell_id"] for line in store.read_text(encoding="utf-8").splitlines()}
+    assert {cell.id for cell in expand(load_matrix("smoke"), REGISTRY)} <= stored

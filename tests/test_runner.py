@@ -133,16 +133,18 @@ def fake_zeroshot(monkeypatch):
     """A stand-in for rcpu_bench.zeroshot (lm-eval over seven tasks is far too slow for a test)."""
     module = types.ModuleType("rcpu_bench.zeroshot")
     module.plan_zeroshot = lambda: None
-    module.evaluate_zeroshot = lambda model, tokenizer: {"mean": 0.5, "parameters": model.num_parameters()}
+    module.evaluate_zeroshot = lambda model, tokenizer, limit: {"mean": 0.5, "limit": limit,
+                                                                "parameters": model.num_parameters()}
     monkeypatch.setitem(sys.modules, "rcpu_bench.zeroshot", module)
     return module
 
 
 @needs_stories
 def test_zeroshot_cells_evaluate_the_pruned_model_into_the_record(tmp_path, fake_zeroshot):
-    run_matrix(tiny_matrix(["rcpu-rot"], eval=["ppl", "zeroshot"]), tmp_path, progress=False)
+    run_matrix(tiny_matrix(["rcpu-rot"], eval=["ppl", "zeroshot"], zeroshot_limit=7), tmp_path, progress=False)
     (entry,) = Store(tmp_path).entries()
-    assert entry["record"]["zeroshot"] == {"mean": 0.5, "parameters": entry["record"]["parameters"]["after"]}
+    assert entry["record"]["zeroshot"] == {"mean": 0.5, "limit": 7,
+                                           "parameters": entry["record"]["parameters"]["after"]}
 
 
 @needs_stories
