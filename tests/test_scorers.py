@@ -67,12 +67,19 @@ def test_magnitude_is_column_l2_norm(shape):
     np.testing.assert_allclose(score(scorers.magnitude, W, X), col_l2(W), rtol=1e-12)
 
 
+# variant -> (weight column norm, activation statistic): flap ‖W_j‖₁‖X_j‖₂, rcpu-code ‖W_j‖₁·mean|x_j|, paper ‖W_j‖₂‖X_j‖₂
+WANDA_VARIANTS = {"flap": (col_l1, act_l2), "rcpu-code": (col_l1, act_mean_abs), "paper": (col_l2, act_l2)}
+
+
+@pytest.mark.parametrize("variant", WANDA_VARIANTS)
 @settings(max_examples=25, deadline=None)
-@given(shapes)
-def test_wanda_sp_flap_is_l1_weight_times_l2_activation(shape):
+@given(shape=shapes)
+def test_wanda_sp_variants_are_weight_norm_times_activation_statistic(variant, shape):
     d_out, d_in, n, seed = shape
     W, X = make_W_X(d_out, d_in, n, seed)
-    np.testing.assert_allclose(score(scorers.wanda_sp, W, X, variant="flap"), col_l1(W) * act_l2(X), rtol=1e-12)
+    weight_norm, activation = WANDA_VARIANTS[variant]
+    np.testing.assert_allclose(score(scorers.wanda_sp, W, X, variant=variant), weight_norm(W) * activation(X),
+                               rtol=1e-12)
 
 
 @settings(max_examples=25, deadline=None)
@@ -88,23 +95,6 @@ def test_wanda_sp_flap_is_rank_equivalent_to_flap_mean_rows(shape):
         chosen = select_by_score(torch.from_numpy(ours), ratio)
         direct = select_by_score(torch.from_numpy(flap_direct), ratio)
         assert chosen.pruned.tolist() == direct.pruned.tolist()
-
-
-@settings(max_examples=25, deadline=None)
-@given(shapes)
-def test_wanda_sp_rcpu_code_is_l1_weight_times_mean_abs_activation(shape):
-    d_out, d_in, n, seed = shape
-    W, X = make_W_X(d_out, d_in, n, seed)
-    np.testing.assert_allclose(score(scorers.wanda_sp, W, X, variant="rcpu-code"), col_l1(W) * act_mean_abs(X),
-                               rtol=1e-12)
-
-
-@settings(max_examples=25, deadline=None)
-@given(shapes)
-def test_wanda_sp_paper_is_l2_weight_times_l2_activation(shape):
-    d_out, d_in, n, seed = shape
-    W, X = make_W_X(d_out, d_in, n, seed)
-    np.testing.assert_allclose(score(scorers.wanda_sp, W, X, variant="paper"), col_l2(W) * act_l2(X), rtol=1e-12)
 
 
 def test_wanda_sp_default_variant_is_flap():
