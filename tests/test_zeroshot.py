@@ -9,7 +9,6 @@ import json
 import logging
 import socket
 from importlib import metadata
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from datasets import Dataset, DatasetDict
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._index import TaskIndex
 from lm_eval.tasks._yaml_loader import load_yaml
-from tiny_models import STORIES, needs_stories
+from tiny_models import STORIES, needs_stories, or_missing
 
 from rcpu_bench import zeroshot
 from rcpu_bench.models import load_model
@@ -29,14 +28,7 @@ from rcpu_bench.tasks import utils
 from rcpu_bench.zeroshot import METRIC_MAPS, TASKS, add_parser, builtin_yaml, evaluate_zeroshot, local_task_config
 
 
-def _data_root() -> Path:
-    try:
-        return data_dir()
-    except FileNotFoundError:
-        return Path("shared-data-not-found")
-
-
-DATA = _data_root()
+DATA = or_missing(data_dir)
 ZEROSHOT = DATA / "zeroshot"
 needs_zeroshot_data = pytest.mark.skipif(not ZEROSHOT.is_dir(), reason=f"zero-shot data not found ({ZEROSHOT})")
 # The Mosaic-form tasks and their converters to the built-in's document fields.

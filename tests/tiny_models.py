@@ -15,14 +15,15 @@ from rcpu_bench.paths import SHARED_ENV, shared_dir
 from rcpu_bench.surgery import mask_attention, mask_mlp, prune_attention, prune_mlp
 
 
-def _shared() -> Path:
+def or_missing(lookup) -> Path:
+    """``lookup()`` (a fixture directory), or a path that does not exist, so that tests skip instead of erroring."""
     try:
-        return shared_dir()
+        return lookup()
     except FileNotFoundError:
         return Path("shared-fixtures-not-found")
 
 
-SHARED = _shared()
+SHARED = or_missing(shared_dir)
 STORIES = SHARED / "models" / "stories260K"
 STORIES_MHA = SHARED / "models" / "stories260K-mha"
 WIKI_TEST = SHARED / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"
