@@ -35,8 +35,9 @@ def greedy_continuation(model: Any, tokenizer: Any, prompt: str, max_new_tokens:
     with torch.no_grad():
         output = model.generate(**encoded, generation_config=config)
     # Decoded whole, then the prompt's text cut off: decoding the new tokens alone drops a leading space.
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
-    return decode(output[0])[len(decode(encoded.input_ids[0])):]
+    whole, start = (tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                    for ids in (output[0], encoded.input_ids[0]))
+    return whole[len(start):]
 
 
 def text_sample(model: Any, tokenizer: Any) -> dict[str, str]:

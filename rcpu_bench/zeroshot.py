@@ -391,8 +391,8 @@ def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan, *, log_samples:
             "metrics": {task: table_metric(task, plan.metric_map) for task in plan.tasks},
             "mean": sum(tasks[task]["value"] for task in plan.tasks) / len(plan.tasks) if plan.tasks else None,
             "lm_eval_version": metadata.version("lm_eval"), "source": plan.source,
-            "source_reason": plan.source_reason, "other_tasks": list(plan.other), "include_path": list(plan.include_path),
-            "num_fewshot": plan.num_fewshot, "notes": notes, "batch_size": plan.batch_size, "limit": plan.limit,
+            "source_reason": plan.source_reason, "other_tasks": list(plan.other),
+            "include_path": list(plan.include_path), "num_fewshot": plan.num_fewshot, "notes": notes, "batch_size": plan.batch_size, "limit": plan.limit,
             "max_length": lm.max_length, "seconds": seconds, "examples": examples,
             "examples_per_second": examples / seconds, "output_path": None if output_path is None else str(output_path),
             "data_dir": str(plan.data_dir) if plan.source == "local" else None, "data_files": plan.data_files}
@@ -464,15 +464,17 @@ def format_table(result: dict[str, Any]) -> str:
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     """Add the ``eval`` subcommand to an ``add_subparsers()`` object and return its parser."""
     p = commands.add_parser("eval", help="accuracy of a model through lm-eval: the paper's seven zero-shot tasks "
-                            "(default) or any lm-eval task or group", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            "(default) or any lm-eval task or group",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True,
                    help="hub id, Hugging Face model directory, or directory written by save_pruned / --save")
     p.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
     p.add_argument("--tasks", default=",".join(TASKS),
-                   help="comma-separated lm-eval task, group or tag names (the paper's seven read local copies offline)")
+                   help="comma-separated lm-eval task, group or tag names (offline, the paper's seven read "
+                   "the shipped local copies)")
     p.add_argument("--include-path", action="append", metavar="DIR",
                    help="a directory of your own lm-eval task YAMLs, added to lm-eval's index (repeatable)")
-    p.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: each task's own, else 0)")
+    p.add_argument("--num-fewshot", type=int, help="examples in each prompt; unset: each task's own number, else 0")
     p.add_argument("--limit", type=int, help="first N examples of each task (default: all)")
     p.add_argument("--output-path", metavar="PATH",
                    help="write lm-eval's results JSON here (a directory, or a .json file), as lm-eval does")
@@ -480,7 +482,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                    help="also write every document, prompt and response under --output-path (lm-eval's samples)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--source", choices=SOURCES, default="auto",
-                   help="local files, the hub's datasets, or the hub when reachable else local")
+                   help="data of the seven paper tasks: local files, the hub's datasets, or the hub when reachable else local")
     p.add_argument("--metric-map", choices=tuple(METRIC_MAPS), default="paper",
                    help="metric per task in the table and the mean")
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")

@@ -71,9 +71,9 @@ def test_generate_command_prints_pruned_and_dense_side_by_side(tmp_path, capsys)
     width = max(len(str(tmp_path / "pruned")), len(str(STORIES_MHA)))
     expected = []
     for prompt in prompts:
-        expected += [f"prompt: {prompt}",
-                     f"  {str(tmp_path / 'pruned'):<{width}} | {prompt}{argmax_loop(pruned.model, pruned.tokenizer, prompt, 12)}",
-                     f"  {str(STORIES_MHA):<{width}} | {prompt}{argmax_loop(dense.model, dense.tokenizer, prompt, 12)}"]
+        expected.append(f"prompt: {prompt}")
+        for name, loaded in ((str(tmp_path / "pruned"), pruned), (str(STORIES_MHA), dense)):
+            expected.append(f"  {name:<{width}} | {prompt}{argmax_loop(loaded.model, loaded.tokenizer, prompt, 12)}")
     assert lines == [line.rstrip() for line in expected]
     assert lines[1].split("|")[1] != lines[2].split("|")[1]  # pruning by half changes the text
 
