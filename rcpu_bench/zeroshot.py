@@ -392,7 +392,8 @@ def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan, *, log_samples:
             "mean": sum(tasks[task]["value"] for task in plan.tasks) / len(plan.tasks) if plan.tasks else None,
             "lm_eval_version": metadata.version("lm_eval"), "source": plan.source,
             "source_reason": plan.source_reason, "other_tasks": list(plan.other),
-            "include_path": list(plan.include_path), "num_fewshot": plan.num_fewshot, "notes": notes, "batch_size": plan.batch_size, "limit": plan.limit,
+            "include_path": list(plan.include_path), "num_fewshot": plan.num_fewshot, "notes": notes,
+            "batch_size": plan.batch_size, "limit": plan.limit,
             "max_length": lm.max_length, "seconds": seconds, "examples": examples,
             "examples_per_second": examples / seconds, "output_path": None if output_path is None else str(output_path),
             "data_dir": str(plan.data_dir) if plan.source == "local" else None, "data_files": plan.data_files}
@@ -482,7 +483,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                    help="also write every document, prompt and response under --output-path (lm-eval's samples)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--source", choices=SOURCES, default="auto",
-                   help="data of the seven paper tasks: local files, the hub's datasets, or the hub when reachable else local")
+                   help="data of the seven paper tasks: local files, the hub's datasets, or the hub when "
+                   "reachable else local")
     p.add_argument("--metric-map", choices=tuple(METRIC_MAPS), default="paper",
                    help="metric per task in the table and the mean")
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
