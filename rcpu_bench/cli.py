@@ -9,7 +9,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from rcpu_bench import plots, runner, tables, zeroshot
+from rcpu_bench import generation, plots, runner, speed, tables, zeroshot
 from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, default_model, run_experiment
 from rcpu_bench.pipeline import MODULES, PruneConfig
 from rcpu_bench.records import append_record
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("plugins", help="list registered scorers, compensators and model methods").set_defaults(func=cmd_plugins)
     _add_prune_parser(commands)
-    for module in (runner, tables, plots, zeroshot):
+    for module in (runner, tables, plots, zeroshot, generation, speed):
         module.add_parser(commands)
     return parser
 

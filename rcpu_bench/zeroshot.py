@@ -1,7 +1,8 @@
-"""Zero-shot accuracy of an in-memory model through lm-eval: BoolQ, PIQA, HellaSwag, WinoGrande, ARC, OBQA.
+"""Accuracy of an in-memory model through lm-eval: the paper's seven tasks, or any lm-eval task or group.
 
-The model is wrapped in lm-eval's ``HFLM`` as it is (no save and reload) and evaluated 0-shot with
-``lm_eval.simple_evaluate``. Two data sources:
+The model is wrapped in lm-eval's ``HFLM`` as it is (no save and reload) and evaluated with
+``lm_eval.simple_evaluate`` (0-shot unless ``num_fewshot`` says otherwise). The paper's tasks (BoolQ,
+PIQA, HellaSwag, WinoGrande, ARC-Easy, ARC-Challenge, OpenBookQA) have two data sources:
 
 - ``local``: the task configs ``rcpu_<task>`` shipped in ``rcpu_bench/tasks``, which copy the
   built-in task's prompt fields, choices, metrics and version and read the shared zero-shot files
@@ -11,6 +12,11 @@ The model is wrapped in lm-eval's ``HFLM`` as it is (no save and reload) and eva
 ``auto`` uses the hub when it can be reached and no offline flag is set, else the local files, and
 says which (a warning and the ``source`` / ``source_reason`` fields of the result). lm-eval's response
 cache is never used, so two models can never share answers.
+
+Any other name is looked up in lm-eval's task index (its built-in tasks, groups and tags, plus the
+YAML files under ``include_path``) and its tasks are built, datasets included, while the request is
+checked: a task whose dataset cannot be had (offline flags set, the download failing) is reported by
+name before the model is loaded, and an unknown name with its closest registered names.
 
 Local documents against the hub's (tests/test_zeroshot.py proves the requests equal the built-in
 tasks' on the same documents, and the conversions lossless with respect to the local files):
@@ -33,6 +39,8 @@ tasks' on the same documents, and the conversions lossless with respect to the l
 from __future__ import annotations
 
 import argparse
+import difflib
+import functools
 import hashlib
 import logging
 import os
@@ -48,6 +56,7 @@ from urllib.parse import urlparse
 from huggingface_hub import constants
 from tabulate import tabulate
 
+from rcpu_bench.metric_maps import METRIC_MAPS, TASKS, table_metric
 from rcpu_bench.models import (
     LoadedModel,
     load_config,
@@ -59,7 +68,6 @@ from rcpu_bench.models import (
 )
 from rcpu_bench.paths import data_dir as default_data_dir
 from rcpu_bench.persistence import MANIFEST, load_saved, read_manifest
-from rcpu_bench.metric_maps import METRIC_MAPS, TASKS, table_metric
 from rcpu_bench.records import append_record, library_versions
 
 logger = logging.getLogger(__name__)
@@ -71,8 +79,10 @@ BUILTIN_YAML = {"boolq": "super_glue/boolq/default.yaml", "piqa": "piqa/piqa.yam
                 "hellaswag": "hellaswag/hellaswag.yaml", "winogrande": "winogrande/default.yaml",
                 "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
                 "openbookqa": "openbookqa/openbookqa.yaml"}
-STATISTICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 HUB_TIMEOUT_S = 3.0
+# The bookkeeping fields of a task_summary / paper_summary (the rest are metrics and their stderr).
+TASK_FIELDS = ("n", "n_available", "version", "num_fewshot", "lm_eval_task", "metric", "value")
+FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed; it seeds only the tasks' own samplers
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 def resolved_data_dir(data_dir: str | os.PathLike | None) -> Path:
@@ -122,19 +132,78 @@ def sha256(path: Path) -> str:
 
 
 def parse_tasks(text: str) -> tuple[str, ...]:
-    """Comma-separated task names, checked against ``TASKS``; a ValueError lists the allowed ones."""
+    """Comma-separated task names, without repeats; a ValueError when there are none."""
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    unknown = [name for name in names if name not in TASKS]
-    if unknown or not names:
-        raise ValueError(f"unknown task(s) {unknown or [text]}; allowed: {', '.join(TASKS)}")
+    if not names:
+        raise ValueError(f"no task named in {text!r}; give lm-eval task or group names, e.g. {','.join(TASKS)}")
     return names
+
+
+@functools.cache
+def task_manager(include_path: tuple[str, ...] = ()) -> Any:
+    """lm-eval's ``TaskManager`` over its built-in task YAMLs and ``include_path`` (indexing takes ~10-20 s).
+
+    Cached per include path: the index only reads YAML files, and each plan builds its own tasks.
+    """
+    from lm_eval.tasks import TaskManager
+
+    missing = [path for path in include_path if not Path(path).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"task include path(s) not found: {', '.join(missing)}")
+    return TaskManager(include_path=list(include_path) or None)
+
+
+def check_known(names: tuple[str, ...], manager: Any) -> None:
+    """A ValueError naming each unregistered task name with the closest registered names."""
+    known = sorted({*TASKS, *manager.all_tasks})
+    problems = []
+    for name in names:
+        if name not in manager.task_index:
+            close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+            problems.append(f"unknown task {name!r}; close matches: {', '.join(close) if close else 'none'}")
+    if problems:
+        raise ValueError("; ".join(problems) + " (all names: `lm-eval ls tasks`, or --include-path DIR for your own)")
+
+
+def build_tasks(names: tuple[str, ...], manager: Any) -> list[Any]:
+    """lm-eval Task / Group objects for registered names, their datasets loaded (downloaded if need be).
+
+    A dataset that cannot be had raises a ValueError naming the task and why (an offline flag, the
+    download's own error), instead of lm-eval's traceback.
+    """
+    built = []
+    for name in names:
+        try:
+            loaded = manager.load([name])
+        except OSError as error:  # datasets' ConnectionError, DatasetNotFoundError (a FileNotFoundError), ...
+            flag = offline_flag()
+            why = (f"needs its dataset from the Hugging Face hub (or another download), not available offline ({flag})"
+                   if flag else "could not load its dataset (the download failed)")
+            raise ValueError(f"task {name!r} {why}: {type(error).__name__}: {error}") from None
+        built += top_level(loaded)
+    return built
+
+
+def top_level(loaded: dict[str, Any]) -> list[Any]:
+    """The groups and tasks of a ``TaskManager.load`` result that no loaded group contains (what was asked for)."""
+    children = {child for names in loaded["group_map"].values() for child in names}
+    items = {**loaded["groups"], **loaded["tasks"]}
+    return [item for name, item in items.items() if name not in children]
+
+
+def offline_flag() -> str | None:
+    """``"<VARIABLE> is set"`` for the first Hugging Face offline variable set, or None."""
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(variable, "").upper() in _TRUE:
+            return f"{variable} is set"
+    return None
 
 
 def hub_problem() -> str | None:
     """Why the hub cannot serve the built-in tasks' datasets (an offline flag, no connection), or None."""
-    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if os.environ.get(variable, "").upper() in _TRUE:
-            return f"{variable} is set"
+    flag = offline_flag()
+    if flag:
+        return flag
     endpoint = urlparse(constants.ENDPOINT)
     port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
     try:
@@ -144,10 +213,15 @@ def hub_problem() -> str | None:
     return None
 
 
-def resolve_source(source: str) -> tuple[str, str]:
-    """The source to use (``local`` or ``hub``) for the requested one, and why."""
+def check_source(source: str) -> None:
+    """A ValueError unless ``source`` is one of ``SOURCES``."""
     if source not in SOURCES:
         raise ValueError(f"unknown source {source!r}; allowed: {', '.join(SOURCES)}")
+
+
+def resolve_source(source: str) -> tuple[str, str]:
+    """The source to use (``local`` or ``hub``) for the requested one, and why."""
+    check_source(source)
     if source == "local":
         return "local", "requested"
     problem = hub_problem()
@@ -161,118 +235,189 @@ def resolve_source(source: str) -> tuple[str, str]:
     return "hub", "auto: hub reachable"
 
 
-def check_positive(name: str, value: Any) -> None:
-    """A ValueError naming ``name`` unless ``value`` is a positive integer."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def check_count(name: str, value: Any, *, minimum: int = 1) -> None:
+    """A ValueError naming ``name`` unless ``value`` is an integer of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
 
 
 @dataclass(frozen=True)
 class ZeroShotPlan:
-    """A checked zero-shot request: everything except the model, fixed before any work starts."""
+    """A checked request: everything except the model, fixed before any work starts.
+
+    ``tasks`` are the paper's tasks asked for (their data from ``source``); ``other`` the other lm-eval
+    names asked for, and ``built`` their lm-eval Task / Group objects with the datasets loaded.
+    """
 
     tasks: tuple[str, ...]
-    source: str
+    source: str | None
     source_reason: str
     limit: int | None
     batch_size: int
     metric_map: str
     data_dir: Path
     data_files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256 (local source)
+    num_fewshot: int | None = None
+    other: tuple[str, ...] = ()
+    built: tuple[Any, ...] = ()
+    include_path: tuple[str, ...] = ()
 
 
 def plan_zeroshot(tasks: str | tuple[str, ...] | list[str] = TASKS, *, data_dir: str | os.PathLike | None = None,
                   limit: int | None = None, batch_size: int = 16, source: str = "auto",
-                  metric_map: str = "paper") -> ZeroShotPlan:
-    """Check a zero-shot request and resolve its data source; errors name what is allowed.
+                  metric_map: str = "paper", num_fewshot: int | None = None,
+                  include_path: str | os.PathLike | list | tuple | None = None) -> ZeroShotPlan:
+    """Check a request, resolve the paper tasks' data source and build the other tasks; errors name what is allowed.
 
-    ``tasks`` is a sequence of names or one comma-separated string.
-    The local data files must exist when the local source is used; their SHA-256 are recorded.
+    ``tasks`` is a sequence of names or one comma-separated string: the paper's tasks (``TASKS``) or
+    any task, group or tag in lm-eval's index, extended by the task YAMLs under ``include_path``.
+    ``source`` concerns the paper's tasks only; their local data files must exist when the local
+    source is used, and their SHA-256 are recorded. Other tasks' datasets are loaded here (a dataset
+    that cannot be had is an error naming the task), so nothing fails after the model is loaded.
     """
-    tasks = parse_tasks(tasks if isinstance(tasks, str) else ",".join(tasks))
+    names = parse_tasks(tasks if isinstance(tasks, str) else ",".join(tasks))
     if limit is not None:
-        check_positive("limit (examples per task)", limit)
-    check_positive("batch size", batch_size)
+        check_count("limit (examples per task)", limit)
+    if num_fewshot is not None:
+        check_count("num_fewshot", num_fewshot, minimum=0)
+    check_count("batch size", batch_size)
     if metric_map not in METRIC_MAPS:
         raise ValueError(f"unknown metric map {metric_map!r}; allowed: {', '.join(METRIC_MAPS)}")
-    used, reason = resolve_source(source)
+    check_source(source)
+    paths = tuple(str(path) for path in ([include_path] if isinstance(include_path, (str, os.PathLike))
+                                         else include_path or ()))
+    paper = tuple(name for name in names if name in TASKS)
+    other = tuple(name for name in names if name not in TASKS)
+    built: list[Any] = []
+    if other:
+        manager = task_manager(paths)
+        check_known(other, manager)
+        built = build_tasks(other, manager)
+    used, reason = resolve_source(source) if paper else (None, "no paper task requested")
     root = resolved_data_dir(data_dir)
     files: dict[str, str] = {}
     if used == "local":
-        names = [name for task in tasks for name in local_data_files(task)]
-        missing = [str(root / name) for name in names if not (root / name).is_file()]
+        relative = [name for task in paper for name in local_data_files(task)]
+        missing = [str(root / name) for name in relative if not (root / name).is_file()]
         if missing:
             raise FileNotFoundError(f"zero-shot data file(s) not found: {', '.join(missing)} "
                                     f"(set --data-dir or $RCPU_BENCH_DATA)")
-        files = {name: sha256(root / name) for name in names}
-    return ZeroShotPlan(tasks, used, reason, limit, batch_size, metric_map, root, files)
+        files = {name: sha256(root / name) for name in relative}
+    return ZeroShotPlan(paper, used, reason, limit, batch_size, metric_map, root, files, num_fewshot, other,
+                        tuple(built), paths)
 
 
 def lm_eval_name(task: str, source: str) -> str:
-    """The name lm-eval reports ``task`` under for ``source``."""
+    """The name lm-eval reports the paper task ``task`` under for ``source``."""
     return f"rcpu_{task}" if source == "local" else task
 
 
-def task_specs(plan: ZeroShotPlan) -> list[dict[str, Any] | str]:
-    """lm-eval task specs: our local configs, or the built-in YAML files (loaded by path, not by index)."""
+def task_specs(plan: ZeroShotPlan) -> list[Any]:
+    """lm-eval task specs: the paper tasks' local configs or built-in YAML files (by path, not by index),
+    then the other tasks' built objects."""
     if plan.source == "local":
-        return [local_task_config(task, plan.data_dir) for task in plan.tasks]
-    return [str(builtin_yaml(task)) for task in plan.tasks]
+        paper: list[Any] = [local_task_config(task, plan.data_dir) for task in plan.tasks]
+    else:
+        paper = [str(builtin_yaml(task)) for task in plan.tasks]
+    return paper + list(plan.built)
 
 
-def task_summary(raw: dict[str, Any], task: str, plan: ZeroShotPlan) -> dict[str, Any]:
-    """One task's statistics, size, version and table metric from lm-eval's results."""
-    name = lm_eval_name(task, plan.source)
-    scores = raw["results"][name]
-    summary = {stat: scores[f"{stat},none"] for stat in STATISTICS if f"{stat},none" in scores}
+def task_summary(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """What lm-eval reports for task or group ``name``: every metric (``metric`` for the ``none`` filter,
+    ``metric,filter`` for others, stderr as ``<metric>_stderr``), n, n_available, version, num_fewshot."""
+    scores = {key.removesuffix(",none"): value for key, value in raw["results"][name].items() if "," in key}
+    counts = raw["n-samples"].get(name, {})
+    return {**scores, "n": counts.get("effective"), "n_available": counts.get("original"),
+            "version": raw["versions"].get(name), "num_fewshot": raw["n-shot"].get(name), "lm_eval_task": name}
+
+
+def paper_summary(raw: dict[str, Any], task: str, plan: ZeroShotPlan) -> dict[str, Any]:
+    """A paper task's ``task_summary`` with the metric its tables show (``metric``) and its ``value``."""
+    summary = task_summary(raw, lm_eval_name(task, plan.source))
     metric = table_metric(task, plan.metric_map)
-    return {**summary, "n": raw["n-samples"][name]["effective"], "n_available": raw["n-samples"][name]["original"],
-            "version": raw["versions"][name], "num_fewshot": raw["n-shot"][name], "lm_eval_task": name,
-            "metric": metric, "value": summary[metric]}
+    return {**summary, "metric": metric, "value": summary[metric]}
 
 
-def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan) -> dict[str, Any]:
-    """Evaluate ``model`` as it is in memory on a checked plan; the result record (see ``evaluate_zeroshot``)."""
+def fewshot_notes(plan: ZeroShotPlan) -> list[str]:
+    """Where few-shot examples come from when that differs from lm-eval's built-in tasks (logged too)."""
+    if plan.source != "local" or not plan.num_fewshot:
+        return []
+    note = (f"{plan.num_fewshot}-shot on the local copies of {', '.join(plan.tasks)}: their files hold only the "
+            "evaluated split, so lm-eval draws the examples from it (never the document itself); the built-in "
+            "tasks draw them from their training split")
+    logger.warning("%s", note)
+    return [note]
+
+
+def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan, *, log_samples: bool = False,
+                 output_path: str | os.PathLike | None = None, model_name: str | None = None) -> dict[str, Any]:
+    """Evaluate ``model`` as it is in memory on a checked plan; the result record (see ``evaluate_zeroshot``).
+
+    ``output_path`` (a directory or a ``.json`` file) and ``log_samples`` have lm-eval's meanings: its
+    results file (and with ``log_samples`` one JSONL of per-document samples per task) is written there,
+    under ``model_name`` as lm-eval's command line would; nothing is written without ``output_path``.
+    """
     import lm_eval
+    from lm_eval.loggers import EvaluationTracker
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    if log_samples and output_path is None:
+        raise ValueError("log_samples needs an output_path to write the samples to")
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=plan.batch_size,
               max_length=model.config.max_position_embeddings)
+    tracker = EvaluationTracker(output_path=str(output_path)) if output_path is not None else None
+    notes = fewshot_notes(plan)
     started = time.perf_counter()
-    # No use_cache / cache_requests: lm-eval's caches are keyed by request, not by model. Seeds None:
-    # 0-shot multiple choice draws nothing, and the caller's random state is left alone.
-    raw = lm_eval.simple_evaluate(model=lm, tasks=task_specs(plan), task_manager=TaskManager(include_defaults=False),
-                                  limit=plan.limit, log_samples=False, random_seed=None, numpy_random_seed=None,
-                                  torch_random_seed=None, fewshot_random_seed=None)
+    # No use_cache / cache_requests: lm-eval's caches are keyed by request, not by model. Global seeds None:
+    # the caller's random state is left alone; the few-shot seed is lm-eval's default and private to the tasks.
+    raw = lm_eval.simple_evaluate(model=lm, model_args=f"pretrained={model_name}" if model_name else None,
+                                  tasks=task_specs(plan), task_manager=TaskManager(include_defaults=False),
+                                  num_fewshot=plan.num_fewshot, limit=plan.limit, log_samples=log_samples,
+                                  evaluation_tracker=tracker, random_seed=None, numpy_random_seed=None,
+                                  torch_random_seed=None, fewshot_random_seed=FEWSHOT_SEED)
     seconds = time.perf_counter() - started
-    tasks = {task: task_summary(raw, task, plan) for task in plan.tasks}
-    examples = sum(task["n"] for task in tasks.values())
+    samples = raw.pop("samples", None)
+    if tracker is not None:
+        tracker.save_results_aggregated(results=raw, samples=samples)
+        for name in (samples or {}):
+            tracker.save_results_samples(task_name=name, samples=samples[name])
+    tasks = {task: paper_summary(raw, task, plan) for task in plan.tasks}
+    paper_names = {lm_eval_name(task, plan.source) for task in plan.tasks}
+    tasks.update({name: task_summary(raw, name) for name in raw["results"] if name not in paper_names})
+    examples = sum(raw["n-samples"][name]["effective"] for name in raw["n-samples"])
     return {"tasks": tasks, "metric_map": plan.metric_map,
-            "metrics": {task: table_metric(task, plan.metric_map) for task in tasks},
-            "mean": sum(task["value"] for task in tasks.values()) / len(tasks),
+            "metrics": {task: table_metric(task, plan.metric_map) for task in plan.tasks},
+            "mean": sum(tasks[task]["value"] for task in plan.tasks) / len(plan.tasks) if plan.tasks else None,
             "lm_eval_version": metadata.version("lm_eval"), "source": plan.source,
-            "source_reason": plan.source_reason, "batch_size": plan.batch_size, "limit": plan.limit,
+            "source_reason": plan.source_reason, "other_tasks": list(plan.other),
+            "include_path": list(plan.include_path), "num_fewshot": plan.num_fewshot, "notes": notes,
+            "batch_size": plan.batch_size, "limit": plan.limit,
             "max_length": lm.max_length, "seconds": seconds, "examples": examples,
-            "examples_per_second": examples / seconds,
+            "examples_per_second": examples / seconds, "output_path": None if output_path is None else str(output_path),
             "data_dir": str(plan.data_dir) if plan.source == "local" else None, "data_files": plan.data_files}
 
 
 def evaluate_zeroshot(model: Any, tokenizer: Any, tasks: str | tuple[str, ...] | list[str] = TASKS, *,
                       data_dir: str | os.PathLike | None = None, limit: int | None = None, batch_size: int = 16,
-                      source: str = "auto", metric_map: str = "paper") -> dict[str, Any]:
-    """Zero-shot accuracy of an in-memory causal LM on ``tasks`` through lm-eval.
+                      source: str = "auto", metric_map: str = "paper", num_fewshot: int | None = None,
+                      include_path: str | os.PathLike | list | tuple | None = None) -> dict[str, Any]:
+    """Accuracy of an in-memory causal LM on ``tasks`` through lm-eval (0-shot unless ``num_fewshot``).
 
-    ``limit`` takes the first N documents of each task; ``source`` is ``auto``, ``local`` or ``hub``
-    (module docstring); ``metric_map`` (``paper`` or ``slicegpt``, see ``table_metric``)
-    picks the metric a table shows per task. Returns ``tasks`` (per task: acc, acc_stderr and, where
-    the task has it, acc_norm, acc_norm_stderr; n, n_available, version, num_fewshot, lm_eval_task,
-    metric, value), ``mean`` of the values, and the run's lm_eval_version, source, source_reason,
-    batch_size, limit, max_length, seconds, examples, examples_per_second, data_dir and data_files
-    (relative path -> sha256).
+    ``tasks``: the paper's seven (default) or any lm-eval task / group / tag names, with the task YAMLs
+    under ``include_path`` added to lm-eval's index; ``limit`` takes the first N documents of each
+    task; ``source`` is ``auto``, ``local`` or ``hub`` for the paper's tasks (module docstring);
+    ``metric_map`` (``paper`` or ``slicegpt``, see ``table_metric``) picks the metric a table shows
+    per paper task. Returns ``tasks`` (per task or group as lm-eval names it, the paper tasks under
+    their own names: every metric with its ``_stderr``, n, n_available, version, num_fewshot,
+    lm_eval_task, and for the paper tasks metric and value), ``mean`` of the paper tasks' values (None
+    without one), and the run's lm_eval_version, source, source_reason, other_tasks, include_path,
+    num_fewshot, notes, batch_size, limit, max_length, seconds, examples, examples_per_second,
+    output_path, data_dir and data_files (relative path -> sha256).
     """
     plan = plan_zeroshot(tasks, data_dir=data_dir, limit=limit, batch_size=batch_size, source=source,
-                         metric_map=metric_map)
+                         metric_map=metric_map, num_fewshot=num_fewshot, include_path=include_path)
     return run_zeroshot(model, tokenizer, plan)
 
 
@@ -280,16 +425,38 @@ def _with_stderr(task: dict[str, Any], stat: str) -> str:
     """``stat ± stderr`` of one task, or "-" where the task has no such metric."""
     if stat not in task:
         return "-"
-    stderr = task.get(f"{stat}_stderr")
-    return f"{task[stat]:.4f} ± {stderr:.4f}" if isinstance(stderr, float) else f"{task[stat]:.4f}"
+    value, stderr = task[stat], task.get(stderr_key(stat))
+    number = f"{value:.4f}" if isinstance(value, float) else str(value)
+    return f"{number} ± {stderr:.4f}" if isinstance(stderr, float) else number
+
+
+def stderr_key(metric: str) -> str:
+    """The key of ``metric``'s stderr in a ``task_summary``: ``acc`` -> ``acc_stderr``,
+    ``exact_match,flexible-extract`` -> ``exact_match_stderr,flexible-extract`` (lm-eval's naming)."""
+    name, comma, filter_name = metric.partition(",")
+    return f"{name}_stderr{comma}{filter_name}"
+
+
+def metric_names(task: dict[str, Any]) -> list[str]:
+    """The metrics of a ``task_summary``: its keys that are neither bookkeeping nor a stderr."""
+    return [key for key in task if key not in TASK_FIELDS and not key.partition(",")[0].endswith("_stderr")]
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The per-task table of an ``evaluate_zeroshot`` result, with the table metric and its mean."""
-    rows = [(task, t["n"], t["version"], _with_stderr(t, "acc"), _with_stderr(t, "acc_norm"), t["metric"],
-             f"{t['value']:.4f}") for task, t in result["tasks"].items()]
-    rows.append(("mean", "", "", "", "", result["metric_map"], f"{result['mean']:.4f}"))
-    return tabulate(rows, headers=["task", "n", "version", "acc", "acc_norm", "metric", "value"])
+    """The per-task tables of an ``evaluate_zeroshot`` result: the paper tasks with their table metric and
+    mean, then every metric of the other tasks and groups."""
+    paper = {task: t for task, t in result["tasks"].items() if task in result["metrics"]}
+    parts = []
+    if paper:
+        rows = [(task, t["n"], t["version"], _with_stderr(t, "acc"), _with_stderr(t, "acc_norm"), t["metric"],
+                 f"{t['value']:.4f}") for task, t in paper.items()]
+        rows.append(("mean", "", "", "", "", result["metric_map"], f"{result['mean']:.4f}"))
+        parts.append(tabulate(rows, headers=["task", "n", "version", "acc", "acc_norm", "metric", "value"]))
+    rows = [(name, t["n"], t["num_fewshot"], t["version"], metric, _with_stderr(t, metric))
+            for name, t in result["tasks"].items() if name not in paper for metric in metric_names(t)]
+    if rows:
+        parts.append(tabulate(rows, headers=["task", "n", "shots", "version", "metric", "value"]))
+    return "\n\n".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -297,16 +464,27 @@ def format_table(result: dict[str, Any]) -> str:
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     """Add the ``eval`` subcommand to an ``add_subparsers()`` object and return its parser."""
-    p = commands.add_parser("eval", help="zero-shot accuracy (BoolQ, PIQA, HellaSwag, WinoGrande, ARC, OBQA) "
-                            "of a model through lm-eval", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = commands.add_parser("eval", help="accuracy of a model through lm-eval: the paper's seven zero-shot tasks "
+                            "(default) or any lm-eval task or group",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True,
                    help="hub id, Hugging Face model directory, or directory written by save_pruned / --save")
     p.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
-    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
+    p.add_argument("--tasks", default=",".join(TASKS),
+                   help="comma-separated lm-eval task, group or tag names (offline, the paper's seven read "
+                   "the shipped local copies)")
+    p.add_argument("--include-path", action="append", metavar="DIR",
+                   help="a directory of your own lm-eval task YAMLs, added to lm-eval's index (repeatable)")
+    p.add_argument("--num-fewshot", type=int, help="examples in each prompt; unset: each task's own number, else 0")
     p.add_argument("--limit", type=int, help="first N examples of each task (default: all)")
+    p.add_argument("--output-path", metavar="PATH",
+                   help="write lm-eval's results JSON here (a directory, or a .json file), as lm-eval does")
+    p.add_argument("--log-samples", action="store_true",
+                   help="also write every document, prompt and response under --output-path (lm-eval's samples)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--source", choices=SOURCES, default="auto",
-                   help="local files, the hub's datasets, or the hub when reachable else local")
+                   help="data of the seven paper tasks: local files, the hub's datasets, or the hub when "
+                   "reachable else local")
     p.add_argument("--metric-map", choices=tuple(METRIC_MAPS), default="paper",
                    help="metric per task in the table and the mean")
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
@@ -334,7 +512,7 @@ def check_model_argument(name: str, revision: str | None) -> None:
         raise ValueError(f"{directory} has no tokenizer (save_pruned was called without one)")
 
 
-def load_for_eval(name: str, *, revision: str | None, dtype: str, device: str) -> LoadedModel:
+def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str) -> LoadedModel:
     """``load_saved`` for a directory written by save_pruned (or a model method), else ``load_model``."""
     directory = pruned_directory(name)
     if directory is not None:
@@ -348,16 +526,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
         resolve_dtype(args.dtype)
         resolve_device(args.device)
         check_model_argument(args.model, args.revision)
+        if args.log_samples and not args.output_path:
+            raise ValueError("--log-samples needs --output-path (where lm-eval writes the samples)")
         plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.batch_size,
-                             source=args.source, metric_map=args.metric_map)
+                             source=args.source, metric_map=args.metric_map, num_fewshot=args.num_fewshot,
+                             include_path=args.include_path)
     except (ValueError, OSError) as error:
         print(f"rcpu-bench: error: {error}", file=sys.stderr)
         return 2
-    loaded = load_for_eval(args.model, revision=args.revision, dtype=args.dtype, device=args.device)
-    result = run_zeroshot(loaded.model, loaded.tokenizer, plan)
+    loaded = load_saved_or_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device)
+    result = run_zeroshot(loaded.model, loaded.tokenizer, plan, log_samples=args.log_samples,
+                          output_path=args.output_path, model_name=args.model)
     print(format_table(result))
     print(f"source: {result['source']} ({result['source_reason']}); {result['examples']} examples in "
           f"{result['seconds']:.1f} s ({result['examples_per_second']:.1f}/s); lm-eval {result['lm_eval_version']}")
+    for note in result["notes"]:
+        print(f"note: {note}")
+    if args.output_path:
+        print(f"lm-eval results{' and samples' if args.log_samples else ''} written under {args.output_path}")
     if args.out:
         record = {"command": "eval", "model_provenance": loaded.provenance,
                   "parameters": parameter_count(loaded.model), "versions": library_versions(), "zeroshot": result}

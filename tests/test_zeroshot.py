@@ -222,8 +222,13 @@ def test_hub_source_uses_the_builtin_configs_under_their_names(task):
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"tasks": ("boolq", "mmlu")}, ValueError, f"unknown task(s) ['mmlu']; allowed: {', '.join(TASKS)}"),
-    ({"tasks": ()}, ValueError, "allowed: boolq"),
+    ({"tasks": ("boolq", "pica")}, ValueError, "unknown task 'pica'; close matches: "),
+    ({"tasks": ()}, ValueError, "no task named in ''"),
+    ({"tasks": "lambada_openai"}, ValueError, "task 'lambada_openai' needs its dataset from the Hugging Face hub "
+                                              "(or another download), not available offline (HF_HUB_OFFLINE is set)"),
+    ({"tasks": "mini_choice", "include_path": "/no/such/tasks"}, FileNotFoundError,
+     "task include path(s) not found: /no/such/tasks"),
+    ({"num_fewshot": -1}, ValueError, "num_fewshot must be an integer >= 0, got -1"),
     ({"limit": 0}, ValueError, "limit (examples per task) must be a positive integer, got 0"),
     ({"limit": 2.5}, ValueError, "got 2.5"),
     ({"batch_size": 0}, ValueError, "batch size must be a positive integer"),
@@ -235,6 +240,117 @@ def test_bad_requests_fail_before_any_work(kwargs, error, message):
     with pytest.raises(error) as raised:
         evaluate_zeroshot(None, None, **{"source": "local", **kwargs})
     assert message in str(raised.value)
+
+
+# ------------------------------------------------------------------------ any lm-eval task or group
+
+# A tiny multiple-choice task of our own on local data: proves "any task" without the network.
+MINI_DOCS = [{"q": "Once upon a time there was a", "choices": ["girl", "table", "seven"], "gold": 0},
+             {"q": "The sun was", "choices": ["hot", "sad"], "gold": 0},
+             {"q": "She ate the", "choices": ["run", "apple", "blue"], "gold": 1},
+             {"q": "Tom and his mom went to the", "choices": ["park", "happy"], "gold": 0}]
+MINI_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{prompt}"
+doc_to_target: gold
+doc_to_choice: "{{{{choices}}}}"
+metric_list:
+  - {{metric: acc, aggregation: mean, higher_is_better: true}}
+metadata: {{version: 2.0}}
+"""
+MINI_GROUP = """group: mini_group
+task: [mini_choice, mini_choice_b]
+aggregate_metric_list:
+  - {metric: acc, aggregation: mean, weight_by_size: true}
+metadata: {version: 1.0}
+"""
+MINI_PROMPTS = {"mini_choice": "{{q}}", "mini_choice_b": "Story: {{q}}"}
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """Two task YAMLs on one local JSONL file and a group of both (lm-eval's include_path format)."""
+    root = tmp_path_factory.mktemp("tasks")
+    data = root / "mini.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in MINI_DOCS))
+    for name, prompt in MINI_PROMPTS.items():
+        (root / f"{name}.yaml").write_text(MINI_TASK.format(name=name, data=data, prompt=prompt))
+    (root / "mini_group.yaml").write_text(MINI_GROUP)
+    return root
+
+
+def loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
+    """log p(continuation | context) in float64, the context / continuation split of lm-eval's causal LMs:
+    the tokens of the whole text beyond those of the context alone, the tokenizer's own special tokens (BOS)."""
+    whole = tokenizer.encode(context + continuation)
+    start = len(tokenizer.encode(context))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), dim=-1)
+    return sum(logp[i - 1, whole[i]].item() for i in range(start, len(whole)))
+
+
+def choice_scores(model, tokenizer, prompt: str, docs: list[dict]) -> list[list[float]]:
+    """Each document's choices scored 0-shot (lm-eval puts its target delimiter, a space, before each)."""
+    return [[loglikelihood(model, tokenizer, prompt.replace("{{q}}", doc["q"]), f" {choice}")
+             for choice in doc["choices"]] for doc in docs]
+
+
+def accuracy(scores: list[list[float]], docs: list[dict]) -> float:
+    return sum(max(range(len(s)), key=s.__getitem__) == doc["gold"] for s, doc in zip(scores, docs)) / len(docs)
+
+
+@needs_stories
+def test_a_group_of_local_tasks_from_an_include_path(stories, task_dir):
+    """Any task: our own YAMLs through include_path, the group's acc the size-weighted mean of its tasks'."""
+    result = evaluate_zeroshot(stories.model, stories.tokenizer, "mini_group", include_path=task_dir, batch_size=4)
+    assert set(result["tasks"]) == {"mini_group", *MINI_PROMPTS}
+    for name, prompt in MINI_PROMPTS.items():
+        task = result["tasks"][name]
+        assert task["acc"] == pytest.approx(accuracy(choice_scores(stories.model, stories.tokenizer, prompt,
+                                                                   MINI_DOCS), MINI_DOCS))
+        assert (task["n"], task["n_available"], task["version"], task["num_fewshot"]) == (4, 4, 2.0, 0)
+    group = result["tasks"]["mini_group"]
+    assert group["acc"] == pytest.approx((result["tasks"]["mini_choice"]["acc"] +
+                                          result["tasks"]["mini_choice_b"]["acc"]) / 2)
+    assert result["mean"] is None and result["metrics"] == {} and result["source"] is None
+    assert result["other_tasks"] == ["mini_group"] and result["include_path"] == [str(task_dir)]
+    assert result["examples"] == 8
+    json.dumps(result)
+
+
+@needs_stories
+def test_num_fewshot_and_nothing_written_without_an_output_path(stories, task_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = evaluate_zeroshot(stories.model, stories.tokenizer, "mini_choice", include_path=task_dir,
+                               num_fewshot=2, limit=3)
+    task = result["tasks"]["mini_choice"]
+    assert (task["num_fewshot"], task["n"], result["num_fewshot"], result["output_path"]) == (2, 3, 2, None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_task_names_get_their_close_matches():
+    with pytest.raises(ValueError) as raised:
+        zeroshot.plan_zeroshot("pica,lambada_opnai,qqqzzz", source="local")
+    message = str(raised.value)
+    assert "unknown task 'pica'; close matches: " in message and "piqa" in message.split("'pica'")[1]
+    assert "unknown task 'lambada_opnai'; close matches: lambada_openai" in message
+    assert "unknown task 'qqqzzz'; close matches: none" in message
+
+
+def test_a_hub_task_offline_or_failing_is_named(monkeypatch):
+    """Offline flags set: the message says so; unset (datasets still offline, as when a download fails): that."""
+    with pytest.raises(ValueError, match="task 'lambada_openai' needs its dataset from the Hugging Face hub") as raised:
+        zeroshot.plan_zeroshot("lambada_openai")
+    assert "HF_HUB_OFFLINE is set" in str(raised.value) and "EleutherAI/lambada_openai" in str(raised.value)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    with pytest.raises(ValueError, match="task 'lambada_openai' could not load its dataset .the download failed.: "):
+        zeroshot.plan_zeroshot("lambada_openai")
 
 
 # ------------------------------------------------------------------------------------------ the CLI
@@ -268,8 +384,42 @@ def test_eval_command_on_a_save_pruned_directory(tmp_path, capsys):
 
 
 @needs_stories
+@needs_zeroshot_data
+def test_eval_command_on_a_paper_task_and_our_own_with_lm_eval_outputs(tmp_path, task_dir, capsys):
+    """A paper task (shipped copy) beside a task from --include-path; lm-eval's results and samples files
+    under --output-path hold the same scores, and the logged log-likelihoods equal a direct computation."""
+    out, lm_out = tmp_path / "runs.jsonl", tmp_path / "lm-eval"
+    code = run_eval(["--model", str(STORIES), "--tasks", "piqa,mini_choice", "--include-path", str(task_dir),
+                     "--limit", "3", "--source", "local", "--output-path", str(lm_out), "--log-samples",
+                     "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "mini_choice" in printed and "piqa" in printed and str(lm_out) in printed
+    (record,) = read_records(out)
+    result = record["zeroshot"]
+    assert set(result["tasks"]) == {"piqa", "mini_choice"} and result["source"] == "local"
+    assert result["mean"] == result["tasks"]["piqa"]["acc"] and result["output_path"] == str(lm_out)
+    (folder,) = lm_out.iterdir()  # lm-eval's layout: <output>/<model name>/results_<date>.json
+    assert folder.name == str(STORIES).replace("/", "__")
+    (results_file,) = folder.glob("results_*.json")
+    saved = json.loads(results_file.read_text())["results"]
+    assert saved["mini_choice"]["acc,none"] == result["tasks"]["mini_choice"]["acc"]
+    assert saved["rcpu_piqa"]["acc,none"] == result["tasks"]["piqa"]["acc"]
+    assert len(list(folder.glob("samples_rcpu_piqa_*.jsonl"))) == 1
+    (samples_file,) = folder.glob("samples_mini_choice_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    stories = load_model(str(STORIES))
+    expected = choice_scores(stories.model, stories.tokenizer, MINI_PROMPTS["mini_choice"], MINI_DOCS[:3])
+    assert [[float(r[0]) for r in s["filtered_resps"]] for s in samples] == [pytest.approx(e, abs=1e-4)
+                                                                          for e in expected]
+    assert result["tasks"]["mini_choice"]["acc"] == pytest.approx(accuracy(expected, MINI_DOCS[:3]))
+
+
+@needs_stories
 @pytest.mark.parametrize("args, message", [
-    (["--tasks", "boolq,mmlu"], "allowed: boolq, piqa, hellaswag"),
+    (["--tasks", "boolq,pica"], "unknown task 'pica'; close matches: "),
+    (["--tasks", "piqa,lambada_openai"], "task 'lambada_openai' needs its dataset from the Hugging Face hub"),
+    (["--log-samples"], "--log-samples needs --output-path"),
+    (["--num-fewshot", "-2"], "num_fewshot must be an integer >= 0, got -2"),
     (["--limit", "0"], "limit (examples per task) must be a positive integer"),
     (["--batch-size", "-1"], "batch size must be a positive integer"),
     (["--data-dir", "/no/such/data"], "zero-shot data file(s) not found"),

@@ -1,0 +1,139 @@
+"""Inference speed of a model: tokens per second of the prefill and of decoding with the KV cache.
+
+Measured on random token ids (speed does not depend on them), so no data or tokenizer is needed and
+the caller's random state is untouched. Reported beside the model's size in every experiment record
+(``record["inference"]``): the dense cell of a matrix gives the dense figure, so a pruned model's
+speed-up is the ratio of two records measured the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+BATCH_SIZE = 1
+PROMPT_TOKENS = 128
+NEW_TOKENS = 32
+REPEATS = 3
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, step: Any) -> tuple[Any, float]:
+    """``step()``'s result and its wall-clock seconds, the device synchronized before and after."""
+    _synchronize(device)
+    started = time.perf_counter()
+    result = step()
+    _synchronize(device)
+    return result, time.perf_counter() - started
+
+
+def prefill_and_decode(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """Seconds of one prefill (a forward pass over ``ids`` filling the KV cache) and of ``new_tokens``
+    decode steps (each a forward pass of the previous step's greedy token per sequence, on the cache)."""
+    device = ids.device
+
+    def decode(output: Any) -> None:
+        cache = output.past_key_values
+        for _ in range(new_tokens):
+            token = output.logits[:, -1:].argmax(dim=-1)
+            output = model(token, past_key_values=cache, use_cache=True)
+            cache = output.past_key_values
+
+    with torch.no_grad():
+        output, prefill = _timed(device, lambda: model(ids, use_cache=True))
+        _, decoding = _timed(device, lambda: decode(output))
+    return prefill, decoding
+
+
+def inference_speed(model: Any, *, batch_size: int = BATCH_SIZE, prompt_tokens: int = PROMPT_TOKENS,
+                    new_tokens: int = NEW_TOKENS, repeats: int = REPEATS, seed: int = 0) -> dict[str, Any]:
+    """Prefill and decode throughput of ``model`` on its device, after an untimed warm-up (a prefill and one step).
+
+    prefill_tokens_per_s = batch_size · prompt_tokens / t_prefill, decode_tokens_per_s = batch_size ·
+    new_tokens / t_decode, each t the median over ``repeats`` runs of a (batch_size × prompt_tokens)
+    prompt of random ids followed by ``new_tokens`` greedy decode steps with the KV cache
+    (``prefill_and_decode``). Returns exactly batch_size, prompt_tokens, new_tokens,
+    prefill_tokens_per_s, decode_tokens_per_s, device and repeats.
+    """
+    for name, value in (("batch_size", batch_size), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens),
+                        ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    limit = model.config.max_position_embeddings
+    if prompt_tokens + new_tokens > limit:
+        raise ValueError(f"prompt_tokens + new_tokens = {prompt_tokens + new_tokens} exceeds the model's "
+                         f"max_position_embeddings {limit}")
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(model.config.vocab_size, (batch_size, prompt_tokens), generator=generator).to(device)
+    prefill_and_decode(model, ids, 1)  # warm-up of both kinds of step (kernels, allocator, lazy initialisation)
+    runs = [prefill_and_decode(model, ids, new_tokens) for _ in range(repeats)]
+    prefill = statistics.median(run[0] for run in runs)
+    decode = statistics.median(run[1] for run in runs)
+    return {"batch_size": batch_size, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+            "prefill_tokens_per_s": batch_size * prompt_tokens / prefill,
+            "decode_tokens_per_s": batch_size * new_tokens / decode, "device": str(device), "repeats": repeats}
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    """Add the ``speed`` subcommand to an ``add_subparsers()`` object and return its parser."""
+    p = commands.add_parser("speed", help="parameters and inference speed (prefill and decode tokens/s) of models",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", action="append", metavar="DIR_OR_ID",
+                   help="saved pruned directory, model directory or hub id (repeatable; default: the "
+                   "stories260K-mha fixture in the shared directory)")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    p.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="float32", help="model dtype")
+    p.set_defaults(func=cmd_speed)
+    return p
+
+
+def cmd_speed(args: argparse.Namespace) -> int:
+    """``rcpu-bench speed``: check the models, then one line per model: parameters, prefill and decode tokens/s."""
+    from tabulate import tabulate
+
+    from rcpu_bench.experiment import default_model  # experiment imports this module for record["inference"]
+    from rcpu_bench.models import parameter_count, resolve_device, resolve_dtype
+    from rcpu_bench.zeroshot import check_model_argument, load_saved_or_model
+
+    names = args.model or [default_model()]
+    try:
+        resolve_dtype(args.dtype)
+        resolve_device(args.device)
+        for name in names:
+            check_model_argument(name, args.revision)
+    except (ValueError, OSError) as error:
+        print(f"rcpu-bench: error: {error}", file=sys.stderr)
+        return 2
+    rows = []
+    for name in names:
+        model = load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device).model
+        try:
+            speed = inference_speed(model, batch_size=args.batch_size, prompt_tokens=args.prompt_tokens,
+                                    new_tokens=args.new_tokens, repeats=args.repeats)
+        except ValueError as error:
+            print(f"rcpu-bench: error: {error}", file=sys.stderr)
+            return 2
+        rows.append((name, f"{parameter_count(model):,}", f"{speed['prefill_tokens_per_s']:,.0f}",
+                     f"{speed['decode_tokens_per_s']:,.0f}"))
+    print(tabulate(rows, headers=["model", "parameters", "prefill tokens/s", "decode tokens/s"]))
+    print(f"batch {args.batch_size}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, median of "
+          f"{args.repeats} after a warm-up, on {args.device}")
+    return 0
