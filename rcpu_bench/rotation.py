@@ -1,0 +1,200 @@
+"""The rotation of RCPU: the polar factor Q of M = Y Zᵀ, Q = argmax_{QᵀQ=I} tr(QᵀM) (paper eq. procrustes_sol).
+
+With M = U Σ Vᵀ, every maximiser is Q = U_r V_rᵀ + U⊥ P V⊥ᵀ (r = rank M, P any orthogonal matrix on
+the null spaces), and max tr(QᵀM) = tr(Σ), the numerator of the scaled solution (eq. scaled_sol).
+
+Solvers (``solver=``):
+
+* ``eigh``: eigendecomposition of the Gram MᵀM = V Λ Vᵀ in float64 (several times faster than a
+  general SVD, on a GPU above all), U_r = M V_r / ‖M V_r‖ column by column, then Newton–Schulz
+  steps until ‖QᵀQ − I‖_F is within ``tolerance``. Two checks: orthogonality, and optimality
+  tr(QᵀM) ≥ (1 − tolerance) Σᵢ‖M vᵢ‖, where Σᵢ‖M vᵢ‖ ≥ tr(Σ) for any orthonormal basis {vᵢ}: an
+  upper bound computed without an SVD. A failed check raises.
+* ``svd``: an accurate float64 SVD (LAPACK on the CPU, ``gesvd`` on CUDA: the default CUDA driver
+  loses orthogonality), with the same null-space completion.
+* ``auto`` (default): ``eigh``, and the ``svd`` when a check fails, recorded as ``eigh+svd-fallback``
+  with the reason.
+* ``official``: the official code's numerics on purpose (float32 M, ``torch.linalg.svd`` with the
+  default driver, Q = U Vᵀ with whatever completion the SVD gives). Its orthogonality error is
+  recorded, not checked (``orthogonality_unchecked`` says why), because the float32 CUDA SVD breaks it.
+
+Rank-deficient M (fewer calibration tokens than kept columns, or M = A W_Kᵀ with rank W_K ≤ k <
+d_out, e.g. pruned heads): Q W_K is unique when rank M = rank W_K, because then W_K's columns lie in
+the span of V_r. Otherwise (e.g. few calibration tokens) we choose, among the optimal Q, the one
+closest to the identity, i.e. the least change to the pretrained weights on the unseen subspace:
+argmin ‖Q − I‖_F = U_r V_rᵀ + U⊥ P V⊥ᵀ with P = polar(U⊥ᵀ V⊥).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+SOLVERS = ("auto", "eigh", "svd", "official")
+# ‖QᵀQ − I‖_F of a correctly computed Q, measured in float64, divided by n·eps(dtype), on CPU for random
+# full-rank, rank-deficient (rank 13n/16) and condition-1e4 M, n = 16…1024: LAPACK SVD U Vᵀ 0.97–1.9
+# (float64) and 0.69–1.7 (float32); eigh + Newton–Schulz 0.19–0.24; a float64 Q rounded to float32 ≤ 0.093;
+# optimality gaps ≤ 0.21. c = 5 leaves a margin of 2.5 over the worst. The float32 CUDA SVD of the official
+# code was measured at ‖QᵀQ − I‖_F = 0.0669 for n = 4096, i.e. 137·n·eps(float32): rightly refused.
+TOLERANCE_FACTOR = 5.0
+# Newton–Schulz from ‖E₀‖ ≤ 1/2 reaches float64 rounding in 6 steps (‖Eₖ₊₁‖ ≤ ‖Eₖ‖², see ``_polish``).
+MAX_POLISH_STEPS = 8
+
+
+def tolerance(n: int, dtype: torch.dtype) -> float:
+    """The largest accepted ‖QᵀQ − I‖_F (and relative optimality gap) of an n × n Q in ``dtype``: c·n·eps."""
+    return TOLERANCE_FACTOR * max(n, 1) * torch.finfo(dtype).eps
+
+
+def orthogonality_error(q: Tensor) -> float:
+    """‖QᵀQ − I‖_F computed in float64, so that it measures Q and not the rounding of the check."""
+    q64 = q.to(torch.float64)
+    gram = q64.T @ q64
+    gram.diagonal().sub_(1)
+    return float(gram.norm())
+
+
+@dataclass
+class Rotation:
+    """The polar factor Q (compute dtype), tr(QᵀM) (= tr Σ at the optimum) and diagnostics for the record."""
+
+    q: Tensor
+    trace: float
+    info: dict[str, float | str] = field(default_factory=dict)
+
+
+def polar(m: Tensor, solver: str = "auto") -> Rotation:
+    """Q = argmax_{QᵀQ=I} tr(QᵀM) for a square M, in M's dtype, by the chosen ``solver`` (see the module doc)."""
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown rotation solver {solver!r}; allowed: {', '.join(SOLVERS)}")
+    if m.ndim != 2 or m.shape[0] != m.shape[1]:
+        raise ValueError(f"M must be square, got shape {tuple(m.shape)}")
+    if solver == "official":
+        return _official(m)
+    m64 = m.to(torch.float64)
+    if solver == "svd":
+        return _finish(*_svd_polar(m64, m.dtype), m, "svd")
+    q64, upper, steps = _eigh_polar(m64, m.dtype)
+    rotation = _finish(q64, upper, m, "eigh")
+    rotation.info["polish_steps"] = float(steps)
+    failure = _failed_check(rotation, m)
+    if failure is None:
+        return rotation
+    if solver == "eigh":
+        raise RuntimeError(f"the eigh rotation solver failed its check: {failure}; use solver='svd' or 'auto'")
+    fallback = _finish(*_svd_polar(m64, m.dtype), m, "eigh+svd-fallback")
+    fallback.info["fallback_reason"] = failure
+    return fallback
+
+
+def _failed_check(rotation: Rotation, m: Tensor) -> str | None:
+    tol = tolerance(m.shape[0], m.dtype)
+    if not rotation.info["orthogonality_error"] <= tol:
+        return f"‖QᵀQ − I‖_F = {rotation.info['orthogonality_error']:.3g} > {tol:.3g}"
+    if not rotation.info["optimality_gap"] <= tol:
+        return f"relative optimality gap {rotation.info['optimality_gap']:.3g} > {tol:.3g}"
+    return None
+
+
+def _null_threshold(n: int, dtype: torch.dtype) -> float:
+    """Eigenvalues of MᵀM at or below this fraction of the largest span the numerical null space.
+
+    The larger of float64 eigh's resolution n·eps₆₄·λ_max and the dtype's rank rule σ ≤ n·eps·σ_max.
+    """
+    return max(n * torch.finfo(torch.float64).eps, (n * torch.finfo(dtype).eps) ** 2)
+
+
+def _eigh_polar(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    """Polar factor from MᵀM = V Λ Vᵀ: Q = U_r V_rᵀ + completion, U_r = M V_r normalised, then polished.
+
+    Returns (Q, upper bound Σᵢ‖M vᵢ‖ of tr Σ, Newton–Schulz steps), all float64.
+    """
+    n = m.shape[0]
+    evals, v = torch.linalg.eigh(m.T @ m)  # ascending
+    mv = m @ v
+    norms = mv.norm(dim=0)
+    rank = int((evals > _null_threshold(n, dtype) * evals[-1].clamp_min(0)).sum()) if evals[-1] > 0 else 0
+    first = n - rank
+    u_r = mv[:, first:] / norms[first:]
+    q = u_r @ v[:, first:].T
+    if rank < n:
+        q += _closest_completion(_complement(u_r), v[:, :first])
+    q, steps = _polish(q, tolerance(n, torch.float64))
+    return q, norms.sum(), steps
+
+
+def _complement(u_r: Tensor) -> Tensor:
+    """An orthonormal basis U⊥ of the orthogonal complement of span(U_r), by a complete QR."""
+    n, r = u_r.shape
+    if r == 0:
+        return torch.eye(n, dtype=u_r.dtype, device=u_r.device)
+    return torch.linalg.qr(u_r, mode="complete").Q[:, r:]
+
+
+def _closest_completion(u_perp: Tensor, v_perp: Tensor) -> Tensor:
+    """U⊥ P V⊥ᵀ with P = polar(U⊥ᵀ V⊥) = argmax tr(U⊥ P V⊥ᵀ): the optimal Q closest to I in Frobenius norm.
+
+    ‖Q − I‖_F² = 2n − 2 tr Q and tr(U_r V_rᵀ) is fixed, so the null-space part maximises tr(P V⊥ᵀU⊥).
+    """
+    left, _, right = _accurate_svd(u_perp.T @ v_perp)
+    return u_perp @ (left @ right) @ v_perp.T
+
+
+def _polish(q: Tensor, target: float) -> tuple[Tensor, int]:
+    """Newton–Schulz steps Q ← Q (I − E/2), E = QᵀQ − I, until ‖E‖_F ≤ target.
+
+    Stopping rule: E' = −¾E² + ¼E³ exactly, so ‖E'‖ ≤ ‖E‖² whenever ‖E‖ ≤ 1 (quadratic convergence to
+    the polar factor of Q); the steps stop at the target, when ‖E‖_F ≥ 1 (no guarantee: left to the
+    checks), when rounding stops the decrease, or after MAX_POLISH_STEPS.
+    """
+    previous = float("inf")
+    for step in range(MAX_POLISH_STEPS + 1):
+        e = q.T @ q
+        e.diagonal().sub_(1)
+        error = float(e.norm())
+        if error <= target or not error < min(1.0, previous) or step == MAX_POLISH_STEPS:
+            return q, step
+        q = q - 0.5 * (q @ e)
+        previous = error
+    raise AssertionError("unreachable")
+
+
+def _accurate_svd(m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """U, Σ, Vᵀ by an accurate driver: LAPACK on the CPU, ``gesvd`` on CUDA (the default there is not)."""
+    return torch.linalg.svd(m, full_matrices=True, driver="gesvd" if m.is_cuda else None)
+
+
+def _svd_polar(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Q = U_r V_rᵀ + the closest completion, r = #{σᵢ > n·eps(dtype)·σ₁}; returns (Q, tr Σ) in float64."""
+    n = m.shape[0]
+    u, sigma, vh = _accurate_svd(m)
+    rank = int((sigma > n * torch.finfo(dtype).eps * sigma[0]).sum()) if sigma[0] > 0 else 0
+    q = u[:, :rank] @ vh[:rank]
+    if rank < n:
+        q += _closest_completion(u[:, rank:], vh[rank:].T)
+    return q, sigma.sum()
+
+
+def _finish(q64: Tensor, upper: Tensor, m: Tensor, solver: str) -> Rotation:
+    """Cast Q to M's dtype and record its orthogonality, optimality gap, determinant sign and solver."""
+    q = q64.to(m.dtype)
+    trace = float((q.to(torch.float64) * m.to(torch.float64)).sum())
+    gap = (float(upper) - trace) / float(upper) if upper > 0 else 0.0
+    return Rotation(q, trace, {"solver": solver, "orthogonality_error": orthogonality_error(q),
+                               "optimality_gap": gap, "det_sign": _det_sign(q)})
+
+
+def _det_sign(q: Tensor) -> float:
+    return float(torch.linalg.slogdet(q.to(torch.float64)).sign)
+
+
+def _official(m: Tensor) -> Rotation:
+    """The official code's Q = U Vᵀ from ``torch.linalg.svd(M)`` (default driver) in M's dtype; trace = tr Σ."""
+    u, sigma, vh = torch.linalg.svd(m, full_matrices=False)
+    q = u @ vh
+    return Rotation(q, float(sigma.sum()), {
+        "solver": "official", "orthogonality_error": orthogonality_error(q), "det_sign": _det_sign(q),
+        "orthogonality_unchecked": "official numerics reproduced on purpose (torch.linalg.svd of M, default "
+                                   "driver); the error is recorded, not checked"})
