@@ -108,8 +108,8 @@ def _check_orthogonality(info: dict[str, Any], d_out: int, weight_dtype: torch.d
         return None if isinstance(unchecked, str) and unchecked else (
             f"set orthogonality_unchecked={unchecked!r}; it must be a non-empty string saying why")
     name = info.get("compute_dtype")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else weight_dtype if name is None else None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    dtype = weight_dtype if name is None else getattr(torch, name, None) if isinstance(name, str) else None
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         return f"declared compute_dtype={name!r}; expected a floating torch dtype name such as 'float32'"
     tol = orthogonality_tolerance(d_out, dtype)
     if not error <= tol:

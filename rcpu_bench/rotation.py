@@ -7,9 +7,11 @@ Solvers (``solver=``):
 
 * ``eigh``: eigendecomposition of the Gram MᵀM = V Λ Vᵀ in float64 (several times faster than a
   general SVD, on a GPU above all), U_r = M V_r / ‖M V_r‖ column by column, then Newton–Schulz
-  steps until ‖QᵀQ − I‖_F is within ``tolerance``. Two checks: orthogonality, and optimality
-  tr(QᵀM) ≥ (1 − tolerance) Σᵢ‖M vᵢ‖, where Σᵢ‖M vᵢ‖ ≥ tr(Σ) for any orthonormal basis {vᵢ}: an
-  upper bound computed without an SVD. A failed check raises.
+  steps until ‖QᵀQ − I‖_F is within ``tolerance``, and refinement steps (``_refine``) that remove the
+  Gram matrix's squared conditioning from Q's error. Three checks, each within ``tolerance``:
+  orthogonality; backward error ‖QᵀM − MᵀQ‖_F / 2‖M‖_F (QᵀM is symmetric for the polar factor
+  only); optimality tr(QᵀM) ≥ (1 − tol) Σᵢ‖M vᵢ‖, where Σᵢ‖M vᵢ‖ ≥ tr(Σ) for any orthonormal basis
+  {vᵢ}: an upper bound computed without an SVD. A failed check raises.
 * ``svd``: an accurate float64 SVD (LAPACK on the CPU, ``gesvd`` on CUDA: the default CUDA driver
   loses orthogonality), with the same null-space completion.
 * ``auto`` (default): ``eigh``, and the ``svd`` when a check fails, recorded as ``eigh+svd-fallback``
@@ -41,6 +43,8 @@ SOLVERS = ("auto", "eigh", "svd", "official")
 TOLERANCE_FACTOR = 5.0
 # Newton–Schulz from ‖E₀‖ ≤ 1/2 reaches float64 rounding in 6 steps (‖Eₖ₊₁‖ ≤ ‖Eₖ‖², see ``_polish``).
 MAX_POLISH_STEPS = 8
+# Refinement steps of the eigh solution against the asymmetry of QᵀM (``_refine``); each is quadratic.
+MAX_REFINEMENTS = 3
 
 
 def tolerance(n: int, dtype: torch.dtype) -> float:
@@ -76,9 +80,10 @@ def polar(m: Tensor, solver: str = "auto") -> Rotation:
     m64 = m.to(torch.float64)
     if solver == "svd":
         return _finish(*_svd_polar(m64, m.dtype), m, "svd")
-    q64, upper, steps = _eigh_polar(m64, m.dtype)
-    rotation = _finish(q64, upper, m, "eigh")
+    q64, upper, steps, error = _eigh_polar(m64, m.dtype)
+    rotation = _finish(q64, upper, m, "eigh", error)
     rotation.info["polish_steps"] = float(steps)
+    rotation.info["asymmetry"] = _asymmetry(rotation.q.to(torch.float64), m64)
     failure = _failed_check(rotation, m)
     if failure is None:
         return rotation
@@ -91,6 +96,8 @@ def polar(m: Tensor, solver: str = "auto") -> Rotation:
 
 def _failed_check(rotation: Rotation, m: Tensor) -> str | None:
     tol = tolerance(m.shape[0], m.dtype)
+    if not rotation.info["asymmetry"] <= tol:
+        return f"‖QᵀM − MᵀQ‖_F / 2‖M‖_F = {rotation.info['asymmetry']:.3g} > {tol:.3g}"
     if not rotation.info["orthogonality_error"] <= tol:
         return f"‖QᵀQ − I‖_F = {rotation.info['orthogonality_error']:.3g} > {tol:.3g}"
     if not rotation.info["optimality_gap"] <= tol:
@@ -106,10 +113,10 @@ def _null_threshold(n: int, dtype: torch.dtype) -> float:
     return max(n * torch.finfo(torch.float64).eps, (n * torch.finfo(dtype).eps) ** 2)
 
 
-def _eigh_polar(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+def _eigh_polar(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, int, float]:
     """Polar factor from MᵀM = V Λ Vᵀ: Q = U_r V_rᵀ + completion, U_r = M V_r normalised, then polished.
 
-    Returns (Q, upper bound Σᵢ‖M vᵢ‖ of tr Σ, Newton–Schulz steps), all float64.
+    Returns (Q, upper bound Σᵢ‖M vᵢ‖ of tr Σ, Newton–Schulz steps, ‖QᵀQ − I‖_F), in float64.
     """
     n = m.shape[0]
     evals, v = torch.linalg.eigh(m.T @ m)  # ascending
@@ -121,8 +128,35 @@ def _eigh_polar(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
     q = u_r @ v[:, first:].T
     if rank < n:
         q += _closest_completion(_complement(u_r), v[:, :first])
-    q, steps = _polish(q, tolerance(n, torch.float64))
-    return q, norms.sum(), steps
+    q, steps, error = _polish(q, tolerance(n, torch.float64))
+    for _ in range(MAX_REFINEMENTS):
+        if _asymmetry(q, m) <= tolerance(n, torch.float64):
+            break
+        q, more, error = _polish(_refine(q, m, v, norms, first), tolerance(n, torch.float64))
+        steps += more
+    return q, norms.sum(), steps, error
+
+
+def _asymmetry(q: Tensor, m: Tensor) -> float:
+    """‖QᵀM − MᵀQ‖_F / (2‖M‖_F): zero exactly for the polar factor (QᵀM = H symmetric), a backward error."""
+    a = q.T @ m
+    norm = float(m.norm())
+    return float((a - a.T).norm()) / (2 * norm) if norm > 0 else 0.0
+
+
+def _refine(q: Tensor, m: Tensor, v: Tensor, norms: Tensor, first: int) -> Tensor:
+    """One correction Q ← Q (I + Ω) toward the polar factor, from the computed asymmetry of QᵀM.
+
+    If Q = Q* e^{−Ω} with H = Q*ᵀM = V diag(σ) Vᵀ, then skew(QᵀM) ≈ (ΩH + HΩ)/2, so in the eigenbasis
+    Ω̃ᵢⱼ = 2 S̃ᵢⱼ / (σᵢ + σⱼ), S̃ = Vᵀ skew(QᵀM) V (σᵢ = ‖M vᵢ‖). The null-null block is left alone (it
+    holds the closest-to-identity completion). The residual is computed to ~eps‖M‖, so this removes the
+    Gram matrix's squared conditioning from Q's error, like one step of iterative refinement.
+    """
+    a = q.T @ m
+    skew = v.T @ ((a - a.T) / 2) @ v
+    omega = 2 * skew / (norms[:, None] + norms[None, :]).clamp_min(torch.finfo(m.dtype).tiny)
+    omega[:first, :first] = 0
+    return q + (q @ v) @ omega @ v.T
 
 
 def _complement(u_r: Tensor) -> Tensor:
@@ -142,8 +176,8 @@ def _closest_completion(u_perp: Tensor, v_perp: Tensor) -> Tensor:
     return u_perp @ (left @ right) @ v_perp.T
 
 
-def _polish(q: Tensor, target: float) -> tuple[Tensor, int]:
-    """Newton–Schulz steps Q ← Q (I − E/2), E = QᵀQ − I, until ‖E‖_F ≤ target.
+def _polish(q: Tensor, target: float) -> tuple[Tensor, int, float]:
+    """Newton–Schulz steps Q ← Q (I − E/2), E = QᵀQ − I, until ‖E‖_F ≤ target; returns (Q, steps, ‖E‖_F).
 
     Stopping rule: E' = −¾E² + ¼E³ exactly, so ‖E'‖ ≤ ‖E‖² whenever ‖E‖ ≤ 1 (quadratic convergence to
     the polar factor of Q); the steps stop at the target, when ‖E‖_F ≥ 1 (no guarantee: left to the
@@ -155,7 +189,7 @@ def _polish(q: Tensor, target: float) -> tuple[Tensor, int]:
         e.diagonal().sub_(1)
         error = float(e.norm())
         if error <= target or not error < min(1.0, previous) or step == MAX_POLISH_STEPS:
-            return q, step
+            return q, step, error
         q = q - 0.5 * (q @ e)
         previous = error
     raise AssertionError("unreachable")
@@ -177,12 +211,16 @@ def _svd_polar(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return q, sigma.sum()
 
 
-def _finish(q64: Tensor, upper: Tensor, m: Tensor, solver: str) -> Rotation:
-    """Cast Q to M's dtype and record its orthogonality, optimality gap, determinant sign and solver."""
+def _finish(q64: Tensor, upper: Tensor, m: Tensor, solver: str, error64: float | None = None) -> Rotation:
+    """Cast Q to M's dtype and record its orthogonality, optimality gap, determinant sign and solver.
+
+    ``error64``: ‖QᵀQ − I‖_F of the float64 Q when already known (it is Q's own when M is float64).
+    """
     q = q64.to(m.dtype)
-    trace = float((q.to(torch.float64) * m.to(torch.float64)).sum())
+    trace = float(q.to(torch.float64).reshape(-1) @ m.to(torch.float64).reshape(-1))
     gap = (float(upper) - trace) / float(upper) if upper > 0 else 0.0
-    return Rotation(q, trace, {"solver": solver, "orthogonality_error": orthogonality_error(q),
+    error = error64 if error64 is not None and m.dtype == torch.float64 else orthogonality_error(q)
+    return Rotation(q, trace, {"solver": solver, "orthogonality_error": error,
                                "optimality_gap": gap, "det_sign": _det_sign(q)})
 
 
