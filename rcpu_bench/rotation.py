@@ -79,8 +79,8 @@ def polar(m: Tensor, solver: str = "auto") -> Rotation:
         return _official(m)
     m64 = m.to(torch.float64)
     if solver == "svd":
-        return _finish(*_svd_polar(m64, m.dtype), m, "svd")
-    q64, upper, steps, error = _eigh_polar(m64, m.dtype)
+        return _finish(*_svd_polar(m64), m, "svd")
+    q64, upper, steps, error = _eigh_polar(m64)
     rotation = _finish(q64, upper, m, "eigh", error)
     rotation.info["polish_steps"] = float(steps)
     rotation.info["asymmetry"] = _asymmetry(rotation.q.to(torch.float64), m64)
@@ -89,40 +89,34 @@ def polar(m: Tensor, solver: str = "auto") -> Rotation:
         return rotation
     if solver == "eigh":
         raise RuntimeError(f"the eigh rotation solver failed its check: {failure}; use solver='svd' or 'auto'")
-    fallback = _finish(*_svd_polar(m64, m.dtype), m, "eigh+svd-fallback")
+    fallback = _finish(*_svd_polar(m64), m, "eigh+svd-fallback")
     fallback.info["fallback_reason"] = failure
     return fallback
 
 
 def _failed_check(rotation: Rotation, m: Tensor) -> str | None:
+    """Why the eigh solution fails a check (orthogonality, backward error, optimality), or None."""
     tol = tolerance(m.shape[0], m.dtype)
-    if not rotation.info["asymmetry"] <= tol:
-        return f"‖QᵀM − MᵀQ‖_F / 2‖M‖_F = {rotation.info['asymmetry']:.3g} > {tol:.3g}"
-    if not rotation.info["orthogonality_error"] <= tol:
-        return f"‖QᵀQ − I‖_F = {rotation.info['orthogonality_error']:.3g} > {tol:.3g}"
-    if not rotation.info["optimality_gap"] <= tol:
-        return f"relative optimality gap {rotation.info['optimality_gap']:.3g} > {tol:.3g}"
+    for key, what in (("orthogonality_error", "‖QᵀQ − I‖_F"), ("asymmetry", "‖QᵀM − MᵀQ‖_F / 2‖M‖_F"),
+                      ("optimality_gap", "relative optimality gap")):
+        value = float(rotation.info[key])
+        if not value <= tol:
+            return f"{what} = {value:.3g} > {tol:.3g}"
     return None
 
 
-def _null_threshold(n: int, dtype: torch.dtype) -> float:
-    """Eigenvalues of MᵀM at or below this fraction of the largest span the numerical null space.
-
-    The larger of float64 eigh's resolution n·eps₆₄·λ_max and the dtype's rank rule σ ≤ n·eps·σ_max.
-    """
-    return max(n * torch.finfo(torch.float64).eps, (n * torch.finfo(dtype).eps) ** 2)
-
-
-def _eigh_polar(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, int, float]:
+def _eigh_polar(m: Tensor) -> tuple[Tensor, Tensor, int, float]:
     """Polar factor from MᵀM = V Λ Vᵀ: Q = U_r V_rᵀ + completion, U_r = M V_r normalised, then polished.
 
-    Returns (Q, upper bound Σᵢ‖M vᵢ‖ of tr Σ, Newton–Schulz steps, ‖QᵀQ − I‖_F), in float64.
+    Returns (Q, upper bound Σᵢ‖M vᵢ‖ of tr Σ, Newton–Schulz steps, ‖QᵀQ − I‖_F), in float64. Eigenvalues
+    at or below float64 eigh's resolution n·eps·λ_max span the numerical null space (of the float64 M, also
+    when M was formed in float32: its small singular values are real for the matrix given).
     """
     n = m.shape[0]
     evals, v = torch.linalg.eigh(m.T @ m)  # ascending
     mv = m @ v
     norms = mv.norm(dim=0)
-    rank = int((evals > _null_threshold(n, dtype) * evals[-1].clamp_min(0)).sum()) if evals[-1] > 0 else 0
+    rank = int((evals > n * torch.finfo(m.dtype).eps * evals[-1]).sum()) if evals[-1] > 0 else 0
     first = n - rank
     u_r = mv[:, first:] / norms[first:]
     q = u_r @ v[:, first:].T
@@ -200,11 +194,11 @@ def _accurate_svd(m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return torch.linalg.svd(m, full_matrices=True, driver="gesvd" if m.is_cuda else None)
 
 
-def _svd_polar(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Q = U_r V_rᵀ + the closest completion, r = #{σᵢ > n·eps(dtype)·σ₁}; returns (Q, tr Σ) in float64."""
+def _svd_polar(m: Tensor) -> tuple[Tensor, Tensor]:
+    """Q = U_r V_rᵀ + the closest completion, r = #{σᵢ > n·eps·σ₁} (float64); returns (Q, tr Σ) in float64."""
     n = m.shape[0]
     u, sigma, vh = _accurate_svd(m)
-    rank = int((sigma > n * torch.finfo(dtype).eps * sigma[0]).sum()) if sigma[0] > 0 else 0
+    rank = int((sigma > n * torch.finfo(m.dtype).eps * sigma[0]).sum()) if sigma[0] > 0 else 0
     q = u[:, :rank] @ vh[:rank]
     if rank < n:
         q += _closest_completion(u[:, rank:], vh[rank:].T)
