@@ -19,6 +19,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from rcpu_bench.rotation import Rotation, polar
 from rcpu_bench.stats import ActivationStats
 
 # The paper's λ grid: 10^-6 … 10^6, 13 values.
@@ -31,7 +32,7 @@ class Compensation:
 
     weight: Tensor
     bias: Tensor | None = None
-    info: dict[str, float] = field(default_factory=dict)
+    info: dict[str, float | str] = field(default_factory=dict)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -64,7 +65,7 @@ class Problem:
     @cached_property
     def gkk(self) -> Tensor:
         """X_K X_Kᵀ = G_KK."""
-        return self.stats.require_gram()[self.kept][:, self.kept]
+        return self.stats.require_gram()[self.kept[:, None], self.kept]
 
     @cached_property
     def y_norm2(self) -> Tensor:
@@ -89,7 +90,7 @@ class Problem:
             err = err - 2 * b @ (self.w @ s - w_new @ s[self.kept]) + self.stats.n * b @ b
         return float(err.clamp_min(0))
 
-    def result(self, new_weight: Tensor, bias: Tensor | None = None, **info: float) -> Compensation:
+    def result(self, new_weight: Tensor, bias: Tensor | None = None, **info: float | str) -> Compensation:
         """Cast back to the module's dtype/device, reject non-finite values, record the objective before/after."""
         if not torch.isfinite(new_weight).all() or (bias is not None and not torch.isfinite(bias).all()):
             raise FloatingPointError("compensation produced NaN or infinite weights")
@@ -137,8 +138,9 @@ def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, 
     if lam < 0:
         raise ValueError(f"ridge lam={lam} must be >= 0")
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
-    eye = torch.eye(len(problem.kept), dtype=compute, device=stats.device)
-    factor, fail = torch.linalg.cholesky_ex(problem.gkk.to(compute) + lam * eye)
+    shifted = problem.gkk.to(compute, copy=True)  # problem.gkk stays unshifted for the objective
+    shifted.diagonal().add_(lam)
+    factor, fail = torch.linalg.cholesky_ex(shifted)
     pivots = factor.diagonal().square()
     _require_definite(bool(fail) or not torch.isfinite(pivots).all(), pivots, lam)
     # W* A = B with A symmetric  <=>  A W*ᵀ = Bᵀ.
@@ -165,35 +167,37 @@ def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Ten
     return results
 
 
-def rotation(problem: Problem, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Orthogonal Procrustes Q* = U Vᵀ with M = Y Zᵀ = W G[:,K] W_Kᵀ = U Σ Vᵀ (paper eq. procrustes_sol).
+def rotation(problem: Problem, dtype: torch.dtype, solver: str) -> Rotation:
+    """Orthogonal Procrustes Q* = argmax_{QᵀQ=I} tr(QᵀM), M = Y Zᵀ = W G[:,K] W_Kᵀ (paper eq. procrustes_sol).
 
-    Returns (Q, singular values Σ) in the compute dtype. Q may be a reflection (det −1), as in the paper.
+    M is formed in the compute dtype from W G[:,K] and W_K cast to it (as the official code forms Y Aᵀ in
+    float32); ``rcpu_bench.rotation.polar`` documents the solvers and the choice of Q when M is rank-deficient.
+    Q may be a reflection (det −1), as in the paper. Only ``solver='official'`` takes ``dtype='float32'``
+    alone: it reproduces the official float32 numerics.
     """
+    if solver == "official" and dtype != torch.float32:
+        raise ValueError(f"solver='official' computes in float32 as the official code; got dtype={dtype}: "
+                         "pass dtype='float32'")
     m = problem.yxk.to(dtype) @ problem.wk.to(dtype).T
-    u, sigma, vh = torch.linalg.svd(m, full_matrices=False)
-    return u @ vh, sigma
-
-
-def _rotation_info(q: Tensor) -> dict[str, float]:
-    eye = torch.eye(q.shape[0], dtype=q.dtype, device=q.device)
-    return {"orthogonality_error": float((q.T @ q - eye).norm()), "det_sign": float(torch.linalg.det(q).sign())}
+    result = polar(m, solver)
+    result.info["compute_dtype"] = str(dtype).removeprefix("torch.")
+    return result
 
 
 def procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
-               dtype: str = "float64") -> Compensation:
+               dtype: str = "float64", solver: str = "auto") -> Compensation:
     """RCPU rotation: W̃_K = Q* W_K with Q* = argmin_{QᵀQ=I} ‖Y − Q Z‖_F (paper eqs. procrustes_obj, wk_update)."""
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
-    q, _ = rotation(problem, compute)
-    return problem.result(q @ problem.wk.to(compute), **_rotation_info(q))
+    rot = rotation(problem, compute, solver)
+    return problem.result(rot.q @ problem.wk.to(compute), **rot.info)
 
 
 def scaled_procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
-                      dtype: str = "float64") -> Compensation:
-    """RCPU rotation + scale: W̃_K = s* Q* W_K with s* = tr(Σ) / ‖Z‖_F² (paper eq. scaled_sol)."""
+                      dtype: str = "float64", solver: str = "auto") -> Compensation:
+    """RCPU rotation + scale: W̃_K = s* Q* W_K with s* = tr(Σ) / ‖Z‖_F² (paper eq. scaled_sol); tr(Σ) = tr(Q*ᵀM)."""
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
-    q, sigma = rotation(problem, compute)
+    rot = rotation(problem, compute, solver)
     if not problem.z_norm2 > 0:
         raise ValueError("‖Z‖_F² = 0: the kept columns carry no calibration signal, the scale is undefined")
-    scale = float(sigma.sum() / problem.z_norm2)
-    return problem.result(scale * q @ problem.wk.to(compute), scale=scale, **_rotation_info(q))
+    scale = rot.trace / float(problem.z_norm2)
+    return problem.result(scale * rot.q @ problem.wk.to(compute), scale=scale, **rot.info)

@@ -28,6 +28,11 @@ ALIASES: dict[str, MethodAlias] = {a.key: a for a in (
                 lambda_grid=True),
     MethodAlias("rcpu-rot", "RCPU (Rot.)", {"scorer": "variance", "compensator": "procrustes"}),
     MethodAlias("rcpu-rot-scale", "RCPU (Rot.+Scale)", {"scorer": "variance", "compensator": "scaled-procrustes"}),
+    # The official code's numerics on purpose (methods-spec §2.1, §6 item 2): γ with mean|x|, M formed in float32,
+    # torch.linalg.svd's default driver; its orthogonality error is recorded instead of checked.
+    MethodAlias("rcpu-official", "RCPU (Rot., official numerics)",
+                {"scorer": "variance", "scorer_params": {"activation": "mean-abs"}, "compensator": "procrustes",
+                 "compensator_params": {"dtype": "float32", "solver": "official"}}),
     # Needs the rcpu-slicegpt plugin (plugins/rcpu-slicegpt): ratio = sliced hidden fraction, or parameters removed.
     MethodAlias("slicegpt", "SliceGPT", {"model_method": "slicegpt"}),
     MethodAlias("slicegpt-params", "SliceGPT (param. budget)",
@@ -42,11 +47,14 @@ def get_alias(key: str) -> MethodAlias:
 
 
 def label_of(prune: dict[str, Any]) -> str | None:
-    """The paper's label of a recorded PruneConfig, or None when it matches no named method."""
-    for alias in ALIASES.values():
-        if all(prune.get(k) == v for k, v in alias.prune.items()) and _defaults_elsewhere(prune, alias):
-            return alias.label
-    return None
+    """The label of a recorded PruneConfig, or None when it matches no named method.
+
+    When several aliases match, the most specific (most fields set) wins, the first listed among equals:
+    an rcpu-official record also matches rcpu-rot, which sets fewer fields.
+    """
+    matches = [alias for alias in ALIASES.values()
+               if all(prune.get(k) == v for k, v in alias.prune.items()) and _defaults_elsewhere(prune, alias)]
+    return max(matches, key=lambda alias: len(alias.prune)).label if matches else None
 
 
 def _defaults_elsewhere(prune: dict[str, Any], alias: MethodAlias) -> bool:

@@ -18,12 +18,11 @@ import pluggy
 import torch
 
 from rcpu_bench import hookspecs
+from rcpu_bench.rotation import tolerance as orthogonality_tolerance
 from rcpu_bench.stats import ActivationStats
 
 Kind = Literal["scorer", "compensator", "model-method"]
 NEEDS = ("moments", "gram")
-# A compensator that reports info["orthogonality_error"] declares Q orthogonal; float32 SVDs reach ~1e-5.
-ORTHOGONALITY_TOLERANCE = 1e-3
 _HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "compensator": "register_compensators",
                            "model-method": "register_model_methods"}
 
@@ -94,9 +93,27 @@ def _check_compensation(result: Any, weight: torch.Tensor, _stats: Any, kept: to
         return f"returned a bias of shape {tuple(result.bias.shape)}, expected ({weight.shape[0]},)"
     if not torch.isfinite(result.weight).all() or (result.bias is not None and not torch.isfinite(result.bias).all()):
         return "returned NaN or infinite weights"
-    orthogonality = getattr(result, "info", {}).get("orthogonality_error")
-    if orthogonality is not None and not orthogonality <= ORTHOGONALITY_TOLERANCE:
-        return f"declared an orthogonal update but ‖QᵀQ − I‖_F = {orthogonality:.3g} > {ORTHOGONALITY_TOLERANCE}"
+    return _check_orthogonality(getattr(result, "info", {}), weight.shape[0], result.weight.dtype)
+
+
+def _check_orthogonality(info: dict[str, Any], d_out: int, weight_dtype: torch.dtype) -> str | None:
+    """A reported info["orthogonality_error"] declares Q (d_out × d_out) orthogonal: it must be within
+    ``rcpu_bench.rotation.tolerance(d_out, dtype)``, dtype = info["compute_dtype"] or the weight's, unless
+    info["orthogonality_unchecked"] states why not (an explicit opt-out, kept in the record)."""
+    error = info.get("orthogonality_error")
+    if error is None:
+        return None
+    unchecked = info.get("orthogonality_unchecked")
+    if unchecked is not None:
+        return None if isinstance(unchecked, str) and unchecked else (
+            f"set orthogonality_unchecked={unchecked!r}; it must be a non-empty string saying why")
+    name = info.get("compute_dtype")
+    dtype = weight_dtype if name is None else getattr(torch, name, None) if isinstance(name, str) else None
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return f"declared compute_dtype={name!r}; expected a floating torch dtype name such as 'float32'"
+    tol = orthogonality_tolerance(d_out, dtype)
+    if not error <= tol:
+        return f"declared an orthogonal update but ‖QᵀQ − I‖_F = {error:.3g} > {tol:.3g} (n={d_out}, {dtype})"
     return None
 
 

@@ -120,7 +120,7 @@ def test_builtin_params_are_keyword_only_defaults():
     assert registry.scorer("variance").params == {"activation": "l2"}
     assert registry.scorer("magnitude").params == {}
     assert registry.compensator("ridge").params == {"lam": 1e-4, "dtype": "float64"}
-    assert registry.compensator("procrustes").params == {"dtype": "float64"}
+    assert registry.compensator("procrustes").params == {"dtype": "float64", "solver": "auto"}
 
 
 def test_builtin_method_call_equals_direct_function():
