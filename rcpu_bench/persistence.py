@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file
 from torch import Tensor, nn
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
                           PreTrainedModel)
@@ -129,9 +129,9 @@ def model_card(manifest: dict, record: dict | None = None) -> str:
                   for p in ppl]
     else:
         lines.append("Not recorded (saved without an experiment record).")
-    lines += ["", "## Loading", "", f"Load with {loading[manifest['config']]}, or with "
-              "`rcpu_bench.persistence.load_pruned(directory)`. Per-layer shapes and provenance: "
-              f"`{MANIFEST}`.", ""]
+    lines += ["", "## Loading", "", (f"Load with {loading[manifest['config']]}, or with "
+                                      "`rcpu_bench.persistence.load_pruned(directory)`. Per-layer shapes and "
+                                      f"provenance: `{MANIFEST}`."), ""]
     return "\n".join(lines)
 
 
@@ -155,7 +155,7 @@ def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
     card = model_card(manifest, record)
 
     def write(staging: Path) -> None:
-        save_model(model, str(staging / WEIGHTS), metadata={"format": "pt"})
+        save_file(unique_tensors(model), str(staging / WEIGHTS), metadata={"format": "pt"})
         config.save_pretrained(staging)
         if kind == "rcpu_llama":
             write_source(staging)
@@ -166,6 +166,22 @@ def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
 
     write_atomically(directory, write, overwrite=overwrite)
     return manifest
+
+
+def unique_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The state dict with each shared tensor (tied embeddings) once, under its first name.
+
+    The first name is the input embeddings', as transformers writes it: transformers 4 fills a tied LM
+    head from the embeddings but not the reverse, so a file holding only ``lm_head.weight`` (what
+    safetensors' ``save_model`` may keep) loads with the embeddings left on the meta device.
+    """
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors[name] = tensor.detach().contiguous()
+    return tensors
 
 
 def write_atomically(directory: str | os.PathLike, write: Callable[[Path], None], *, overwrite: bool = False) -> None:

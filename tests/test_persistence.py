@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_model
 from tiny_models import STORIES, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model, tokens
 
@@ -37,6 +38,8 @@ def test_round_trip_gives_identical_logits_and_counts(tmp_path, tie, rule):
     assert loaded.provenance["parameter_count"] == parameter_count(model)
     assert layer_geometries(loaded.model) == layer_geometries(model)
     assert (loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight) == tie
+    with safe_open(tmp_path / "pruned" / "model.safetensors", "pt") as weights:  # as transformers 4 needs it
+        assert "model.embed_tokens.weight" in weights.keys() and ("lm_head.weight" in weights.keys()) != tie
     assert loaded.tokenizer is None and not loaded.model.training
     assert loaded.provenance["method"] == {"scorer": "variance", "ratio": 0.2}
     assert read_manifest(tmp_path / "pruned") == manifest

@@ -38,4 +38,4 @@ def write_source(directory: Path) -> None:
             shutil.copyfile(path, directory / name)
 
 
-__all__ = ["AUTO_MAP", "PER_LAYER", "RcpuLlamaConfig", "RcpuLlamaForCausalLM", "SOURCE_FILES", "write_source"]
+__all__ = ["AUTO_MAP", "PER_LAYER", "SOURCE_FILES", "RcpuLlamaConfig", "RcpuLlamaForCausalLM", "write_source"]
