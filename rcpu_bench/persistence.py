@@ -83,8 +83,8 @@ def pruned_config(config: PretrainedConfig, records: list[dict[str, Any]]) -> tu
         return "llama", LlamaConfig(**{**base, "num_attention_heads": first["n_heads"],
                                         "num_key_value_heads": first["n_kv_heads"],
                                         "intermediate_size": first["intermediate"]})
-    per_layer = dict(zip(PER_LAYER, map(list, zip(*[(r["n_heads"], r["n_kv_heads"], r["intermediate"],
-                                                     r["o_proj_bias"], r["down_proj_bias"]) for r in records]))))
+    columns = ("n_heads", "n_kv_heads", "intermediate", "o_proj_bias", "down_proj_bias")  # in PER_LAYER's order
+    per_layer = {name: [record[column] for record in records] for name, column in zip(PER_LAYER, columns)}
     remote = RcpuLlamaConfig(**base, **per_layer)
     remote.auto_map = dict(AUTO_MAP)
     remote.architectures = [RcpuLlamaForCausalLM.__name__]

@@ -83,6 +83,9 @@ def test_tiny_per_layer_widths_and_biases_load_bit_exactly(tmp_path, tie):
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
     assert [(layer.self_attn.o_proj.bias is not None, layer.mlp.down_proj.bias is not None)
             for layer in loaded.model.layers] == [(True, True)] * 3
+    save_pruned(load_pruned(tmp_path / "m").model, tmp_path / "again")  # a reloaded model saves the same config
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == json.loads(
+        (tmp_path / "m" / "config.json").read_text())
 
 
 @needs_stories
