@@ -120,5 +120,5 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
             model, experiment.save_dir, tokenizer=tokenizer, report=report.method_report)
     elif experiment.save_dir:
         save_pruned(model, experiment.save_dir, tokenizer=tokenizer, method=experiment.prune.to_dict(),
-                    provenance=loaded.provenance)
+                    provenance=loaded.provenance, record=record)
     return record

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import nn
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
@@ -68,6 +70,16 @@ def head_counts(attn: nn.Module, head_dim: int) -> tuple[int, int]:
             raise ValueError(f"{name} has {rows} output rows, not a multiple of head_dim={head_dim}")
         counts.append(rows // head_dim)
     return counts[0], counts[1]
+
+
+def dtype_argument(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The keyword giving ``from_pretrained`` / ``from_config`` a dtype in the installed transformers.
+
+    transformers 4.56 renamed ``torch_dtype`` to ``dtype`` (the old name still works in 5.x, with a
+    deprecation warning; the new one is ignored before 4.56).
+    """
+    renamed = Version(transformers.__version__).release >= (4, 56)
+    return {"dtype" if renamed else "torch_dtype": dtype}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -174,7 +186,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     torch_dtype, torch_device, source = resolve_dtype(dtype), resolve_device(device), model_source(name_or_path)
     config, commit = load_config(name_or_path, revision)
     pinned = commit or revision  # config, weights and tokenizer all from the same commit
-    model = AutoModelForCausalLM.from_pretrained(source, config=config, revision=pinned, dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, config=config, revision=pinned,
+                                                 **dtype_argument(torch_dtype))
     model = model.to(torch_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(source, revision=pinned)
     provenance = {"name_or_path": name_or_path, "revision": revision, "commit_hash": commit,

@@ -1,17 +1,26 @@
-"""Saving and reloading physically pruned models.
+"""Saving and reloading physically pruned models, in a directory any transformers install can load.
 
-``from_pretrained`` cannot rebuild a model whose layers have different head or channel counts
-(transformers #33225), so a pruned model is saved as a directory with
+A pruned model is saved as a directory with
 
 - ``model.safetensors``: the weights (tied embeddings stored once);
-- ``config.json``: the original, unpruned config;
+- ``config.json``: the pruned model's config. A plain ``LlamaConfig`` when every layer has the same
+  head and channel counts, no bias beyond the original config's, and a head count dividing the hidden
+  size (transformers 5 rejects a LlamaConfig otherwise): then ``AutoModelForCausalLM.from_pretrained``
+  loads it as it is. Otherwise an ``RcpuLlamaConfig`` with per-layer widths and biases, whose
+  ``auto_map`` names the configuration and modeling source written beside it (``rcpu_bench.hf_format``,
+  which explains why remote code and not transformers' own per-layer configuration), so that
+  ``from_pretrained(directory, trust_remote_code=True)`` loads it. A non-Llama model (Mistral, Qwen2, ...)
+  keeps its original config and loads through ``load_pruned`` only (the manifest says ``"config":
+  "original"``);
 - ``rcpu_manifest.json``: the shape of every layer (query/kv heads, head size, intermediate size,
-  o_proj/down_proj biases), the parameter count, the method and the provenance;
+  o_proj/down_proj biases), the parameter count, the kind of config written, the method and the provenance;
+- ``README.md``: a model card (method, ratio, calibration, parameter count, perplexities);
 - the tokenizer files, when a tokenizer is given.
 
-``load_pruned`` builds the unpruned model without weights (meta device), shrinks each layer to the
-manifest's shape with the surgery functions, then loads the weights strictly; it needs nothing but
-that directory.
+``load_pruned`` builds the model without weights (meta device) from config.json, checks each layer
+against the manifest, then loads the weights strictly; it needs nothing but that directory, and also
+reads format version 1 (written before version 2: the original config, which it shrinks layer by
+layer with the surgery functions).
 """
 
 from __future__ import annotations
@@ -20,25 +29,32 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
+                          PreTrainedModel)
 
-from rcpu_bench.models import (LoadedModel, decoder_layers, head_counts, layer_geometries,
-                               parameter_count, resolve_device, resolve_dtype)
+from rcpu_bench.hf_format import AUTO_MAP, PER_LAYER, RcpuLlamaConfig, RcpuLlamaForCausalLM, write_source
+from rcpu_bench.models import (LoadedModel, config_head_dim, decoder_layers, dtype_argument, head_counts,
+                               layer_geometries, parameter_count, resolve_device, resolve_dtype)
 from rcpu_bench.records import library_versions
 from rcpu_bench.surgery import prune_attention, prune_mlp
 
 FORMAT = "rcpu-bench-pruned"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 MANIFEST = "rcpu_manifest.json"
 WEIGHTS = "model.safetensors"
+CARD = "README.md"
+CONFIG_KINDS = ("llama", "rcpu_llama", "original")
+# Keys of a saved config that describe the file, not the model: rebuilt for the config written.
+_FILE_KEYS = ("architectures", "auto_map", "model_type", "transformers_version", *PER_LAYER)
 
 
 def layer_records(model: PreTrainedModel) -> list[dict[str, Any]]:
@@ -48,39 +64,143 @@ def layer_records(model: PreTrainedModel) -> list[dict[str, Any]]:
             for geometry, layer in zip(layer_geometries(model), decoder_layers(model))]
 
 
-def build_manifest(model: PreTrainedModel, method: dict | None = None, provenance: dict | None = None) -> dict:
-    """The manifest describing ``model``'s pruned shape."""
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "weights": WEIGHTS,
+def pruned_config(config: PretrainedConfig, records: list[dict[str, Any]]) -> tuple[str, PretrainedConfig]:
+    """The config to save for a model of ``config`` whose layers are ``records``, and its kind.
+
+    ``"llama"``: a plain LlamaConfig (all layers alike, biases as the config's attention_bias / mlp_bias,
+    heads dividing hidden_size); ``"rcpu_llama"``: an RcpuLlamaConfig with per-layer lists; ``"original"``:
+    ``config`` itself, for a model that is not a Llama.
+    """
+    if config.model_type not in ("llama", RcpuLlamaConfig.model_type):
+        return "original", config
+    base = {k: v for k, v in config.to_dict().items() if k not in _FILE_KEYS}
+    base["head_dim"] = config_head_dim(config)
+    first = records[0]
+    plain = (all(record == first for record in records) and config.hidden_size % first["n_heads"] == 0
+             and first["o_proj_bias"] == base.get("attention_bias", False)
+             and first["down_proj_bias"] == base.get("mlp_bias", False))
+    if plain:
+        return "llama", LlamaConfig(**{**base, "num_attention_heads": first["n_heads"],
+                                        "num_key_value_heads": first["n_kv_heads"],
+                                        "intermediate_size": first["intermediate"]})
+    columns = ("n_heads", "n_kv_heads", "intermediate", "o_proj_bias", "down_proj_bias")  # in PER_LAYER's order
+    per_layer = {name: [record[column] for record in records] for name, column in zip(PER_LAYER, columns)}
+    remote = RcpuLlamaConfig(**base, **per_layer)
+    remote.auto_map = dict(AUTO_MAP)
+    remote.architectures = [RcpuLlamaForCausalLM.__name__]
+    return "rcpu_llama", remote
+
+
+def build_manifest(model: PreTrainedModel, method: dict | None = None, provenance: dict | None = None,
+                   config_kind: str = "original") -> dict:
+    """The manifest describing ``model``'s pruned shape and the kind of config.json saved with it."""
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "weights": WEIGHTS, "config": config_kind,
             "parameter_count": parameter_count(model), "layers": layer_records(model),
             "method": method or {}, "provenance": provenance or {}, "saved_with": library_versions()}
 
 
-def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokenizer: Any = None,
-                method: dict | None = None, provenance: dict | None = None, overwrite: bool = False) -> dict:
-    """Save a (pruned) model to ``directory`` and return its manifest.
+def model_card(manifest: dict, record: dict | None = None) -> str:
+    """The README.md of a saved model: method, ratio, calibration, parameter count and perplexities.
 
-    Everything is written to a temporary directory beside ``directory`` and renamed into place at the
-    end, so an interrupted save leaves no half-written model. An existing ``directory`` raises
-    FileExistsError unless ``overwrite``.
+    The calibration, the parameter counts before pruning and the perplexities come from the experiment's
+    result ``record`` when one is given; without it the card says they were not recorded.
+    """
+    record = record or {}
+    method = manifest["method"]
+    source = manifest["provenance"].get("name_or_path", "not recorded")
+    loading = {"llama": "`AutoModelForCausalLM.from_pretrained(directory)` (a plain Llama config)",
+               "rcpu_llama": "`AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)`: the "
+                             "layers have their own widths, built by `modeling_rcpu_llama.py` in this directory",
+               "original": "`rcpu_bench.persistence.load_pruned(directory)` only (not a Llama config)"}
+    lines = ["# Pruned model (rcpu-bench)", "", f"Pruned from `{source}` by rcpu-bench.", "",
+             "| | |", "|---|---|"]
+    named = [("model method", "model_method"), ("scorer", "scorer"), ("compensator", "compensator"),
+             ("ratio", "ratio"), ("structure", "structure"), ("statistics", "statistics")]
+    lines += [f"| {label} | `{method[key]}` |" for label, key in named if method.get(key) is not None]
+    calibration = record.get("calibration")
+    lines.append(f"| calibration | {_calibration_text(calibration) if calibration else 'not recorded'} |")
+    before = record.get("parameters", {}).get("before")
+    count = f"{manifest['parameter_count']:,}" + (f" (of {before:,} before pruning)" if before else "")
+    lines += [f"| parameters | {count} |", "", "## Perplexity", ""]
+    ppl = record.get("perplexity") or []
+    if ppl:
+        lines += ["| profile | dataset | perplexity | windows × length |", "|---|---|---|---|"]
+        lines += [f"| {p['profile']} | {p.get('dataset')} | {p['ppl']:.4f} | {p.get('n_windows')} × {p.get('seqlen')} |"
+                  for p in ppl]
+    else:
+        lines.append("Not recorded (saved without an experiment record).")
+    lines += ["", "## Loading", "", (f"Load with {loading[manifest['config']]}, or with "
+                                      "`rcpu_bench.persistence.load_pruned(directory)`. Per-layer shapes and "
+                                      f"provenance: `{MANIFEST}`."), ""]
+    return "\n".join(lines)
+
+
+def _calibration_text(calibration: dict) -> str:
+    """One line of a calibration provenance record: source and split, windows × length, seed."""
+    return (f"{calibration.get('source')}/{calibration.get('split')}: {calibration.get('n_samples')} × "
+            f"{calibration.get('seqlen')} tokens, seed {calibration.get('seed')}")
+
+
+def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokenizer: Any = None,
+                method: dict | None = None, provenance: dict | None = None, record: dict | None = None,
+                overwrite: bool = False) -> dict:
+    """Save a (pruned) model to ``directory`` (atomically, see ``write_atomically``) and return its manifest.
+
+    ``record`` (the experiment's result record) supplies the model card's calibration and perplexities.
+    """
+    records = layer_records(model)
+    kind, config = pruned_config(model.config, records)
+    manifest = build_manifest(model, method, provenance, kind)
+    text = json.dumps(manifest, indent=2)  # a non-JSON method/provenance fails before anything is written
+    card = model_card(manifest, record)
+
+    def write(staging: Path) -> None:
+        save_file(unique_tensors(model), str(staging / WEIGHTS), metadata={"format": "pt"})
+        config.save_pretrained(staging)
+        if kind == "rcpu_llama":
+            write_source(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        (staging / MANIFEST).write_text(text)
+        (staging / CARD).write_text(card)
+
+    write_atomically(directory, write, overwrite=overwrite)
+    return manifest
+
+
+def unique_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The state dict with each shared tensor (tied embeddings) once, under its first name.
+
+    The first name is the input embeddings', as transformers writes it: transformers 4 fills a tied LM
+    head from the embeddings but not the reverse, so a file holding only ``lm_head.weight`` (what
+    safetensors' ``save_model`` may keep) loads with the embeddings left on the meta device.
+    """
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors[name] = tensor.detach().contiguous()
+    return tensors
+
+
+def write_atomically(directory: str | os.PathLike, write: Callable[[Path], None], *, overwrite: bool = False) -> None:
+    """Have ``write(staging)`` fill a temporary directory beside ``directory``, then rename it into place.
+
+    An interrupted or failing write leaves nothing behind (and an existing ``directory`` untouched); an
+    existing ``directory`` raises FileExistsError unless ``overwrite``. Every saver uses this.
     """
     target = Path(directory)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
-    manifest = build_manifest(model, method, provenance)
-    text = json.dumps(manifest, indent=2)  # a non-JSON method/provenance fails before anything is written
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
-        save_model(model, str(staging / WEIGHTS), metadata={"format": "pt"})
-        model.config.save_pretrained(staging)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        (staging / MANIFEST).write_text(text)
+        write(staging)
         _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return manifest
 
 
 def _publish(staging: Path, target: Path) -> None:
@@ -125,14 +245,23 @@ def _reshape_layer(layer: nn.Module, record: dict[str, Any]) -> None:
     prune_mlp(mlp, torch.arange(record["intermediate"]), _placeholder(mlp.down_proj, record["intermediate"]), down_bias)
 
 
-def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtype: torch.dtype) -> PreTrainedModel:
-    """A weightless (meta) model of ``config`` whose layers have the shapes in ``records``."""
+def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtype: torch.dtype, *,
+                   reshape: bool) -> PreTrainedModel:
+    """A weightless (meta) model of ``config`` whose layers must have the shapes in ``records``.
+
+    ``reshape``: ``config`` is the unpruned one (format 1, or a non-Llama model), so each layer is first
+    shrunk to its record; else ``config`` already describes the pruned layers. Either way the built
+    layers are checked against ``records``.
+    """
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if isinstance(config, RcpuLlamaConfig):  # not registered with the Auto classes: no global side effect
+            model = RcpuLlamaForCausalLM._from_config(config, **dtype_argument(dtype))
+        else:
+            model = AutoModelForCausalLM.from_config(config, **dtype_argument(dtype))
     layers = decoder_layers(model)
     if len(records) != len(layers):
         raise ValueError(f"{MANIFEST} describes {len(records)} layers but the config has {len(layers)}")
-    for i, (layer, record) in enumerate(zip(layers, records)):
+    for i, (layer, record) in enumerate(zip(layers, records) if reshape else ()):
         try:
             _reshape_layer(layer, record)
         except (KeyError, ValueError, ZeroDivisionError) as error:
@@ -145,15 +274,18 @@ def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtyp
 
 
 def load_pruned(directory: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Rebuild a model saved by ``save_pruned``, in eval mode, from its directory alone.
+    """Rebuild a model saved by ``save_pruned`` (format 1 or 2), in eval mode, from its directory alone.
 
     The weights are loaded strictly (every tensor present, shapes equal) and the parameter count is
     checked against the manifest's. The tokenizer is None when none was saved.
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    config = AutoConfig.from_pretrained(directory)
-    model = build_skeleton(config, manifest["layers"], resolve_dtype(dtype))
+    kind = manifest.get("config", "original")  # format 1 saved the original config
+    if kind not in CONFIG_KINDS:
+        raise ValueError(f"{directory / MANIFEST} has config {kind!r}; allowed: {', '.join(CONFIG_KINDS)}")
+    config = (RcpuLlamaConfig if kind == "rcpu_llama" else AutoConfig).from_pretrained(directory)
+    model = build_skeleton(config, manifest["layers"], resolve_dtype(dtype), reshape=kind == "original")
     return materialize(model, directory, manifest["weights"], manifest["parameter_count"], dtype=dtype, device=device,
                        method=manifest["method"], source=manifest["provenance"])
 
@@ -166,7 +298,8 @@ def materialize(skeleton: PreTrainedModel, directory: Path, weights: str, expect
     """
     torch_device = resolve_device(device)
     skeleton.to_empty(device=torch_device)
-    skeleton.init_weights()  # computes the non-persistent buffers (RoPE inv_freq) and re-ties the embeddings
+    skeleton.init_weights()  # re-ties the embeddings (the weights themselves are overwritten below)
+    recompute_rotary(skeleton)
     load_model(skeleton, directory / weights, strict=True, device=str(torch_device))
     count = parameter_count(skeleton)
     if count != expected_count:
@@ -176,6 +309,26 @@ def materialize(skeleton: PreTrainedModel, directory: Path, weights: str, expect
             "config_class": type(skeleton.config).__name__, "model_class": type(skeleton).__name__,
             "parameter_count": count, **provenance}
     return LoadedModel(skeleton.eval(), tokenizer, info)
+
+
+def recompute_rotary(model: nn.Module) -> None:
+    """Recompute the non-persistent buffers (RoPE ``inv_freq``) of every rotary-embedding module in place.
+
+    ``to_empty`` leaves buffers uninitialised and they are not in the weights file. transformers 5's
+    ``init_weights`` recomputes them, 4.x's does not (under 4.57 the reloaded logits were off by up to
+    2.5 without an error), so each module is rebuilt from its own config by its own constructor, on its
+    device, and its buffers copied in, keeping each buffer's dtype.
+    """
+    for module in model.modules():
+        if not type(module).__name__.endswith("RotaryEmbedding") or not hasattr(module, "config"):
+            continue
+        device = next(module.buffers()).device
+        with torch.device(device):
+            fresh = type(module)(module.config)
+        for name, buffer in fresh.named_buffers(recurse=False):
+            getattr(module, name).copy_(buffer)
+        if hasattr(fresh, "attention_scaling"):
+            module.attention_scaling = fresh.attention_scaling
 
 
 def load_saved(directory: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",

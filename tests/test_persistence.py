@@ -1,13 +1,20 @@
-"""save_pruned / load_pruned: round trips, the manifest, atomic writes and corrupt directories."""
+"""save_pruned / load_pruned: round trips, the manifest, format 1 directories, atomic writes and corrupt
+directories. (Loading through stock transformers / lm-eval: test_hf_format.py.)"""
 
 import json
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_model
 from tiny_models import STORIES, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model, tokens
 
 from rcpu_bench.models import layer_geometries, load_model, parameter_count
 from rcpu_bench.persistence import MANIFEST, load_pruned, read_manifest, save_pruned
+from rcpu_bench.records import library_versions
+
+REMOTE_CODE_FILES = ["README.md", "config.json", "configuration_rcpu_llama.py", "model.safetensors",
+                     "modeling_rcpu_llama.py", MANIFEST]
 
 
 def pruned_tiny(tie=True, rule="groups"):
@@ -23,7 +30,7 @@ def leftovers(parent, name):
 def test_round_trip_gives_identical_logits_and_counts(tmp_path, tie, rule):
     model = pruned_tiny(tie, rule)
     manifest = save_pruned(model, tmp_path / "pruned", method={"scorer": "variance", "ratio": 0.2})
-    assert sorted(p.name for p in (tmp_path / "pruned").iterdir()) == ["config.json", "model.safetensors", MANIFEST]
+    assert sorted(p.name for p in (tmp_path / "pruned").iterdir()) == REMOTE_CODE_FILES
     loaded = load_pruned(tmp_path / "pruned")
     ids = tokens(model.config.vocab_size)
     assert torch.equal(logits(loaded.model, ids), logits(model, ids))
@@ -31,6 +38,8 @@ def test_round_trip_gives_identical_logits_and_counts(tmp_path, tie, rule):
     assert loaded.provenance["parameter_count"] == parameter_count(model)
     assert layer_geometries(loaded.model) == layer_geometries(model)
     assert (loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight) == tie
+    with safe_open(tmp_path / "pruned" / "model.safetensors", "pt") as weights:  # as transformers 4 needs it
+        assert "model.embed_tokens.weight" in weights.keys() and ("lm_head.weight" in weights.keys()) != tie
     assert loaded.tokenizer is None and not loaded.model.training
     assert loaded.provenance["method"] == {"scorer": "variance", "ratio": 0.2}
     assert read_manifest(tmp_path / "pruned") == manifest
@@ -40,14 +49,17 @@ def test_round_trip_gives_identical_logits_and_counts(tmp_path, tie, rule):
 def test_manifest_records_each_layer(tmp_path):
     model = pruned_tiny()
     manifest = save_pruned(model, tmp_path / "m")
-    assert manifest["format_version"] == 1 and len(manifest["layers"]) == 3
+    assert manifest["format_version"] == 2 and manifest["config"] == "rcpu_llama" and len(manifest["layers"]) == 3
     for record, geo, layer in zip(manifest["layers"], layer_geometries(model), model.model.layers):
         assert (record["n_heads"], record["n_kv_heads"], record["intermediate"]) == (geo.n_heads, geo.n_kv_heads,
                                                                                      geo.intermediate)
         assert record["n_heads"] * 6 == layer.self_attn.o_proj.in_features
         assert record["o_proj_bias"] and record["down_proj_bias"]
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert (config["num_attention_heads"], config["intermediate_size"]) == (6, 20)  # the original config
+    assert (config["num_attention_heads"], config["intermediate_size"], config["head_dim"]) == (6, 20, 6)
+    assert config["layer_num_attention_heads"] == [layer.self_attn.q_proj.out_features // 6 for layer in model.model.layers]
+    assert config["layer_intermediate_sizes"] == [layer.mlp.gate_proj.out_features for layer in model.model.layers]
+    assert config["layer_o_proj_bias"] == config["layer_down_proj_bias"] == [True] * 3
 
 
 def test_load_pruned_in_float64(tmp_path):
@@ -90,7 +102,7 @@ def test_missing_manifest_and_unknown_version(tmp_path):
     path = tmp_path / "m" / MANIFEST
     manifest = json.loads(path.read_text())
     path.write_text(json.dumps({**manifest, "format_version": 99}))
-    with pytest.raises(ValueError, match="version 99; supported: 'rcpu-bench-pruned' version 1"):
+    with pytest.raises(ValueError, match="version 99; supported: 'rcpu-bench-pruned' version 1, 2"):
         load_pruned(tmp_path / "m")
 
 
@@ -102,14 +114,60 @@ def test_missing_manifest_and_unknown_version(tmp_path):
     (lambda m: m.update(parameter_count=1), "rebuilt model has .* parameters; the manifest says 1"),
     (lambda m: m["layers"][2].update(intermediate=m["layers"][2]["intermediate"] - 1), "size mismatch"),
 ])
-def test_corrupt_manifests_are_rejected(tmp_path, edit, message):
-    save_pruned(pruned_tiny(), tmp_path / "m")
+def test_corrupt_format_1_manifests_are_rejected(tmp_path, edit, message):
+    save_format_1(pruned_tiny(), tmp_path / "m")
     path = tmp_path / "m" / MANIFEST
     manifest = json.loads(path.read_text())
     edit(manifest)
     path.write_text(json.dumps(manifest))
     with pytest.raises((ValueError, RuntimeError), match=message):
         load_pruned(tmp_path / "m")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m, c: m["layers"][0].update(n_heads=2), "layer 0 is .* but the config builds"),
+    (lambda m, c: c["layer_intermediate_sizes"].__setitem__(1, 3), "layer 1 is .* but the config builds"),
+    (lambda m, c: c["layer_o_proj_bias"].__setitem__(2, False), "layer 2 is .* but the config builds"),
+    (lambda m, c: c["layer_num_key_value_heads"].pop(), "layer_num_key_value_heads has 2 entries"),
+    (lambda m, c: m.update(config="gpt2"), "config 'gpt2'; allowed: llama, rcpu_llama, original"),
+])
+def test_corrupt_format_2_directories_are_rejected(tmp_path, edit, message):
+    save_pruned(pruned_tiny(), tmp_path / "m")
+    manifest, config = (json.loads((tmp_path / "m" / name).read_text()) for name in (MANIFEST, "config.json"))
+    edit(manifest, config)
+    (tmp_path / "m" / MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_pruned(tmp_path / "m")
+
+
+# --- format 1 (the original config and a manifest; written by rcpu-bench before format 2) -----------
+
+def save_format_1(model, directory):
+    """A format-1 directory as its specification describes it, written here without save_pruned."""
+    directory.mkdir()
+    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(directory)  # surgery leaves the config unpruned: the original one
+    head_dim = model.config.head_dim
+    layers = [{"n_heads": layer.self_attn.q_proj.out_features // head_dim,
+               "n_kv_heads": layer.self_attn.k_proj.out_features // head_dim, "head_dim": head_dim,
+               "intermediate": layer.mlp.up_proj.out_features, "o_proj_bias": layer.self_attn.o_proj.bias is not None,
+               "down_proj_bias": layer.mlp.down_proj.bias is not None} for layer in model.model.layers]
+    manifest = {"format": "rcpu-bench-pruned", "format_version": 1, "weights": "model.safetensors",
+                "parameter_count": sum(p.numel() for p in model.parameters()), "layers": layers,
+                "method": {"scorer": "variance"}, "provenance": {}, "saved_with": library_versions()}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+@pytest.mark.parametrize("tie, rule", [(True, "groups"), (False, "within")])
+def test_format_1_directories_still_load(tmp_path, tie, rule):
+    model = pruned_tiny(tie, rule)
+    save_format_1(model, tmp_path / "v1")
+    loaded = load_pruned(tmp_path / "v1")
+    ids = tokens(model.config.vocab_size)
+    assert torch.equal(logits(loaded.model, ids), logits(model, ids))
+    assert layer_geometries(loaded.model) == layer_geometries(model)
+    assert loaded.provenance["method"] == {"scorer": "variance"}
 
 
 def test_interrupted_save_leaves_nothing(tmp_path):

@@ -27,8 +27,8 @@ from safetensors.torch import save_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from rcpu_bench.models import LoadedModel, parameter_count, resolve_dtype
-from rcpu_bench.persistence import MANIFEST, materialize
+from rcpu_bench.models import LoadedModel, dtype_argument, parameter_count, resolve_dtype
+from rcpu_bench.persistence import MANIFEST, materialize, write_atomically
 from rcpu_bench.records import library_versions
 from rcpu_slicegpt.layers import RMSN, LayerDims, SlicedDecoderLayer, SlicePlan, set_weight
 from rcpu_slicegpt.slicing import check_supported
@@ -51,24 +51,25 @@ def save_sliced(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
                 report: dict | None = None, overwrite: bool = False) -> dict:
     """Save a sliced model to ``directory`` and return its slicing config (a JSON-able ``report`` is kept in it).
 
-    An existing non-empty ``directory`` raises FileExistsError unless ``overwrite``.
+    Written atomically by ``rcpu_bench.persistence.write_atomically``: an interrupted save leaves nothing,
+    and an existing ``directory`` raises FileExistsError unless ``overwrite`` (which replaces it whole).
     """
-    target = Path(directory)
-    if target.exists() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(f"{target} exists and is not empty; pass overwrite=True to replace its files")
     plan = slice_plan(model)
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "weights": WEIGHTS,
               "hidden_size": plan.hidden_size, "layers": [asdict(dims) for dims in plan.layers],
               "parameter_count": parameter_count(model), "report": report or {}, "saved_with": library_versions()}
     text = json.dumps(config, indent=2)  # a non-JSON report fails before anything is written
-    target.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(target / WEIGHTS), metadata={"format": "pt"})
-    model.config.save_pretrained(target)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(target)
-    (target / SLICING_CONFIG).write_text(text)
-    (target / MANIFEST).write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
-                                               "model_method": "slicegpt"}))
+
+    def write(staging: Path) -> None:
+        save_model(model, str(staging / WEIGHTS), metadata={"format": "pt"})
+        model.config.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        (staging / SLICING_CONFIG).write_text(text)
+        (staging / MANIFEST).write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
+                                                    "model_method": "slicegpt"}))
+
+    write_atomically(directory, write, overwrite=overwrite)
     return config
 
 
@@ -111,7 +112,7 @@ def _sliced_layer(layer: nn.Module, dims: LayerDims, config: PretrainedConfig) -
 def build_skeleton(config: PretrainedConfig, plan: SlicePlan, dtype: torch.dtype) -> PreTrainedModel:
     """A weightless (meta) model of ``config`` with the sliced structure of ``plan``."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, **dtype_argument(dtype))
         check_supported(model)
         if len(plan.layers) != len(model.model.layers) or plan.hidden_size != config.hidden_size:
             raise ValueError(f"{SLICING_CONFIG} describes {len(plan.layers)} layers of width {plan.hidden_size}; "

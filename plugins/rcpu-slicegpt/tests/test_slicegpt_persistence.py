@@ -60,3 +60,17 @@ def test_save_refuses_a_dense_model_and_an_existing_directory(saved, stories, tm
         save_sliced(model, directory)
     with pytest.raises(FileNotFoundError, match=SLICING_CONFIG):
         load_sliced(tmp_path)
+
+
+def test_save_is_atomic_through_the_shared_writer(saved, tmp_path):
+    model, _ = saved
+
+    class BrokenTokenizer:
+        def save_pretrained(self, directory):
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        save_sliced(model, tmp_path / "broken", tokenizer=BrokenTokenizer())
+    assert not (tmp_path / "broken").exists() and not list(tmp_path.glob(".broken.*"))
+    save_sliced(model, tmp_path / "sliced", overwrite=True)  # replaces the fixture's directory whole
+    assert not (tmp_path / "sliced" / "tokenizer_config.json").exists()

@@ -1,0 +1,164 @@
+"""Saved pruned models load with stock transformers / lm-eval, bit-exactly: plain Llama configs where the
+pruned shape allows one, else the package's remote code (rcpu_bench.hf_format)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import STORIES, STORIES_MHA, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from rcpu_bench.models import layer_geometries, load_model, parameter_count
+from rcpu_bench.persistence import CARD, MANIFEST, load_pruned, save_pruned
+from rcpu_bench.pipeline import PruneConfig, prune_model
+
+TASKS_DIR = str(__import__("rcpu_bench.tasks", fromlist=["_"]).__path__[0])
+PROMPT = "Once upon a time there was a little"
+
+
+def from_pretrained(directory, **kwargs):
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **kwargs).eval()
+
+
+def pruned_stories(path, config: PruneConfig):
+    """A stories model pruned by ``config`` on 8 × 32 calibration tokens, with its tokenizer."""
+    loaded = load_model(str(path))
+    ids = torch.randint(3, loaded.model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    prune_model(loaded.model, ids, config, progress=False)
+    return loaded.model, loaded.tokenizer
+
+
+CASES = {  # name: (model, prune config, config kind expected)
+    "gqa-al-am-flap-bias": (STORIES, PruneConfig(scorer="flap-wifv", compensator="flap-bias", structure="al-am",
+                                                 statistics="one-shot", ratio=0.3), "rcpu_llama"),
+    "mha-al-am-flap-bias": (STORIES_MHA, PruneConfig(scorer="flap-wifv", compensator="flap-bias",
+                                                     structure="al-am", statistics="one-shot", ratio=0.3), "rcpu_llama"),
+    "mha-uniform-6-heads": (STORIES_MHA, PruneConfig(ratio=0.25), "rcpu_llama"),  # 64 % 6 != 0: no LlamaConfig
+    "gqa-uniform-4-heads": (STORIES, PruneConfig(ratio=0.5, compensator="scaled-procrustes"), "llama"),
+    "mha-mlp-only": (STORIES_MHA, PruneConfig(ratio=0.3, prune=("mlp",), compensate=("mlp",)), "llama"),
+}
+
+
+@needs_stories
+@pytest.mark.parametrize("case", CASES)
+def test_from_pretrained_loads_the_saved_model_bit_exactly(tmp_path, case):
+    path, config, kind = CASES[case]
+    model, tokenizer = pruned_stories(path, config)
+    manifest = save_pruned(model, tmp_path / "m", tokenizer=tokenizer, method=config.to_dict())
+    assert manifest["config"] == kind
+    saved = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert saved["model_type"] == kind and ("auto_map" in saved) == (kind == "rcpu_llama")
+    loaded = from_pretrained(tmp_path / "m")
+    if kind == "rcpu_llama":  # built by the source written into the directory, not by this package
+        assert type(loaded).__module__.startswith("transformers_modules.")
+        assert len({geo.intermediate for geo in layer_geometries(model)}) > 1 or "uniform" in case
+    else:
+        assert type(loaded) is LlamaForCausalLM
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()  # no remote code at all
+        assert torch.equal(logits(plain, tokenizer(PROMPT, return_tensors="pt").input_ids),
+                           logits(model, tokenizer(PROMPT, return_tensors="pt").input_ids))
+    ids = torch.randint(3, 512, (3, 40), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(logits(loaded, ids), logits(model, ids))
+    assert parameter_count(loaded) == parameter_count(model) == manifest["parameter_count"]
+    assert layer_geometries(loaded) == layer_geometries(model)
+    has_bias = [layer.self_attn.o_proj.bias is not None for layer in loaded.model.layers]
+    assert has_bias == [layer.self_attn.o_proj.bias is not None for layer in model.model.layers]
+    assert torch.equal(logits(load_pruned(tmp_path / "m").model, ids), logits(model, ids))
+
+
+def pruned_tiny_biased(tie=True):
+    model = tiny_model(tiny_config(tie=tie), attn="sdpa")
+    return apply_plan(model, random_plan(model, rule="groups", bias=True, seed=11))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tiny_per_layer_widths_and_biases_load_bit_exactly(tmp_path, tie):
+    model = pruned_tiny_biased(tie)
+    assert save_pruned(model, tmp_path / "m")["config"] == "rcpu_llama"
+    loaded = from_pretrained(tmp_path / "m")
+    ids = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(loaded, ids), logits(model, ids))
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
+    assert [(layer.self_attn.o_proj.bias is not None, layer.mlp.down_proj.bias is not None)
+            for layer in loaded.model.layers] == [(True, True)] * 3
+    save_pruned(load_pruned(tmp_path / "m").model, tmp_path / "again")  # a reloaded model saves the same config
+    configs = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("m", "again")]
+    for config in configs:
+        for key in ("dtype", "torch_dtype"):  # the reloaded model's config records the dtype it was loaded in
+            config.pop(key, None)
+    assert configs[0] == configs[1]
+
+
+@needs_stories
+def test_remote_code_model_generates_and_survives_save_pretrained(tmp_path):
+    model, tokenizer = pruned_stories(STORIES, CASES["gqa-al-am-flap-bias"][1])
+    save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
+    loaded = from_pretrained(tmp_path / "m")
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    settings = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
+    with torch.no_grad():
+        generated = loaded.generate(prompt, **settings)
+        assert torch.equal(generated, model.generate(prompt, **settings))
+    assert generated.shape[1] > prompt.shape[1]
+    loaded.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / "modeling_rcpu_llama.py").is_file()
+    again = from_pretrained(tmp_path / "again")
+    assert torch.equal(logits(again, generated), logits(model, generated))
+
+
+@needs_stories
+def test_loads_in_a_process_without_rcpu_bench(tmp_path):
+    model, tokenizer = pruned_stories(STORIES_MHA, CASES["mha-al-am-flap-bias"][1])
+    save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
+    ids = torch.randint(3, 512, (2, 20), generator=torch.Generator().manual_seed(3))
+    torch.save(ids, tmp_path / "ids.pt")
+    script = (
+        "import sys, torch; from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r}, trust_remote_code=True).eval()\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+        "with torch.no_grad(): out = m(ids).logits\n"
+        f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n"
+        "assert not any(name.startswith('rcpu_bench') for name in sys.modules), 'rcpu_bench was imported'\n")
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}  # no PYTHONPATH, fresh caches
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=tmp_path, timeout=300)
+    assert torch.equal(torch.load(tmp_path / "out.pt"), logits(model, ids))
+
+
+@needs_stories
+def test_stock_lm_eval_hf_model_matches_the_in_memory_model(tmp_path):
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    model, tokenizer = pruned_stories(STORIES, CASES["gqa-al-am-flap-bias"][1])
+    save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
+    settings = {"tasks": ["rcpu_piqa"], "limit": 12, "num_fewshot": 0, "bootstrap_iters": 0, "log_samples": False}
+    in_memory = lm_eval.simple_evaluate(
+        model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4),
+        task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False), **settings)
+    stock = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={tmp_path / 'm'},trust_remote_code=True,dtype=float32", batch_size=4,
+        device="cpu", task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False), **settings)
+    ours, theirs = in_memory["results"]["rcpu_piqa"], stock["results"]["rcpu_piqa"]
+    assert theirs["acc,none"] == ours["acc,none"] and theirs["acc_norm,none"] == ours["acc_norm,none"]
+    assert stock["n-samples"]["rcpu_piqa"]["effective"] == 12
+
+
+def test_model_card_states_method_calibration_parameters_and_perplexity(tmp_path):
+    model = pruned_tiny_biased()
+    record = {"calibration": {"source": "tinystories", "split": "train", "n_samples": 128, "seqlen": 128, "seed": 0},
+              "parameters": {"before": 99999, "after": parameter_count(model)},
+              "perplexity": [{"profile": "rcpu128", "dataset": "wikitext2/test", "ppl": 123.456789,
+                              "n_windows": 10, "seqlen": 128}]}
+    method = {"scorer": "flap-wifv", "compensator": "flap-bias", "ratio": 0.2, "structure": "al-am"}
+    save_pruned(model, tmp_path / "m", method=method, record=record)
+    card = (tmp_path / "m" / CARD).read_text()
+    for text in ("`flap-wifv`", "`flap-bias`", "| ratio | `0.2` |", "`al-am`", "tinystories/train: 128 × 128 tokens",
+                 f"{parameter_count(model):,} (of 99,999 before pruning)", "| rcpu128 | wikitext2/test | 123.4568 |",
+                 "trust_remote_code=True"):
+        assert text in card, text
+    save_pruned(model, tmp_path / "bare")
+    assert "Not recorded" in (tmp_path / "bare" / CARD).read_text()
+    assert json.loads((tmp_path / "m" / MANIFEST).read_text())["config"] == "rcpu_llama"
