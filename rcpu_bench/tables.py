@@ -29,7 +29,7 @@ from rcpu_bench.metric_maps import METRIC_MAPS
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.perplexity import get_profile
 from rcpu_bench.records import STORE_FILE, read_records
-
+from rcpu_bench.store import add_results_options, results_dir_of
 
 PAPER_CSV = Path("reference") / "rcpu_paper_tables.csv"
 PAPER_PROFILE = "rcpu128"  # the paper's WikiText-2 perplexities use the seqlen-128 protocol
@@ -301,6 +301,14 @@ def zeroshot_metrics(metric_map: str) -> tuple[tuple[Metric, Extract], ...]:
         raise ValueError(f"unknown metric map {metric_map!r}; allowed: {', '.join(METRIC_MAPS)}")
     tasks = [(METRICS[task], accuracy_of(task, metric)) for task, metric in METRIC_MAPS[metric_map].items()]
     return (*tasks, (MEAN, mean_of([extract for _, extract in tasks])))
+
+
+def default_profile(entries: Sequence[dict[str, Any]]) -> str:
+    """The profile shown unless one is asked for: the paper's (rcpu128) when an entry has it, else the store's one
+    window range of it (``rcpu128[START:STOP]``, the smoke matrix's recorded subset), else rcpu128."""
+    found = {p["profile"] for entry in entries for p in entry["record"]["perplexity"]}
+    subsets = sorted(name for name in found if name.startswith(f"{PAPER_PROFILE}["))
+    return subsets[0] if PAPER_PROFILE not in found and len(subsets) == 1 else PAPER_PROFILE
 
 
 def check_profile(entries: Sequence[dict[str, Any]], profile: str) -> None:
@@ -709,10 +717,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     """Add ``tables`` to the CLI's subcommands."""
     p = commands.add_parser("tables", help="render the paper's tables from a results store",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--results", default="results", metavar="DIR", help=f"results directory holding {STORE_FILE}")
+    add_results_options(p)
     p.add_argument("--format", default="md", choices=FORMATS, help="Markdown, LaTeX (booktabs) or CSV")
     p.add_argument("--reference", choices=["paper"], help="put the paper's numbers beside ours")
-    p.add_argument("--profile", default=PAPER_PROFILE, help="perplexity profile of the ppl and ablation tables")
+    p.add_argument("--profile", help=f"perplexity profile of the ppl and ablation tables (default: {PAPER_PROFILE}, "
+                   f"or the store's {PAPER_PROFILE}[START:STOP] subset when it has no full {PAPER_PROFILE})")
     p.add_argument("--table", default="all", choices=[*TABLE_KINDS, "all"], help="which table(s)")
     p.add_argument("--metric-map", default="paper", choices=list(METRIC_MAPS),
                    help="zero-shot metric per task (acc or acc_norm)")
@@ -724,9 +733,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 def cmd_tables(args: argparse.Namespace) -> int:
     """Render the tables; errors are reported with exit code 2, skipped failed entries on stderr."""
     try:
-        store = read_store(args.results)
+        store = read_store(results_dir_of(args))
         paper = read_paper() if args.reference == "paper" else None
-        tables = make_tables(store.entries, args.table, profile=args.profile, metric_map=args.metric_map, paper=paper)
+        tables = make_tables(store.entries, args.table, profile=args.profile or default_profile(store.entries),
+                             metric_map=args.metric_map, paper=paper)
         text = render(tables, args.format)
         if args.out:
             Path(args.out).write_text(text, encoding="utf-8")
