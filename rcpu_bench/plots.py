@@ -219,8 +219,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     p = commands.add_parser("plots", help="draw the paper's figures from a results store (PNG)")
     add_results_options(p)
     p.add_argument("--out-dir", metavar="DIR", help="where the PNG files go (default: <results>/plots)")
-    p.add_argument("--profile", help=f"perplexity profile plotted (default: {PAPER_PROFILE}, or the store's "
-                   f"{PAPER_PROFILE}[START:STOP] subset when it has no full {PAPER_PROFILE})")
+    p.add_argument("--profile", help=f"perplexity profile plotted (default: {PAPER_PROFILE}; without it the "
+                   f"store's {PAPER_PROFILE}[START:STOP] subset, else its first profile)")
     p.set_defaults(func=cmd_plots)
     return p
 
