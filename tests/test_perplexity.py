@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from rcpu_bench import data, paths
 from rcpu_bench.perplexity import PROFILES, get_profile, perplexity
 
-from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared fixtures not found (set {paths.SHARED_ENV})")
 
 

@@ -23,7 +23,12 @@ from rcpu_bench.experiment import run_experiment
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.matrix import MatrixError, expand, load_matrix
 from rcpu_bench.registry import build_registry, default_registry, plugin_manager
-from rcpu_bench.runner import add_parser, default_cell_seconds, estimate_seconds, run_matrix
+from rcpu_bench.runner import (
+    add_parser,
+    default_cell_seconds,
+    estimate_seconds,
+    run_matrix,
+)
 from rcpu_bench.store import Store
 
 REGISTRY = default_registry()
@@ -257,7 +262,7 @@ def test_run_prints_the_plan_then_plain_cell_lines_then_the_table_and_plots(caps
                                  "  ratios: 0%, 20%", "  3 cells: 3 to run, 0 already finished",
                                  f"  results: {results / 'records.jsonl'}"]
     assert "(an estimate; mha: 6 s/cell, the default for its size (no cell stored yet))" in cells
-    assert len(re.findall(r"^\[    ok\] ", out, flags=re.M)) == 3
+    assert len(re.findall(r"^\[    ok\] ", out, flags=re.MULTILINE)) == 3
     assert "### TinyStories perplexity (tinystories[900:920], lower is better)" in out
     assert f"plots (1 PNG files) in {results / 'plots'}" in out
     assert [p.suffix for p in (results / "plots").iterdir()] == [".png"]

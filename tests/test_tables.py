@@ -17,8 +17,22 @@ from typing import Any
 import pytest
 
 from rcpu_bench.methods import ALIASES
-from rcpu_bench.tables import (PaperNumbers, add_parser, cmd_tables, default_profile, make_tables, mark_disagreements, paper_table,
-                               rank_marks, read_paper, read_store, render, spec, table_marks, zeroshot_metrics)
+from rcpu_bench.tables import (
+    PaperNumbers,
+    add_parser,
+    cmd_tables,
+    default_profile,
+    make_tables,
+    mark_disagreements,
+    paper_table,
+    rank_marks,
+    read_paper,
+    read_store,
+    render,
+    spec,
+    table_marks,
+    zeroshot_metrics,
+)
 
 MIB = 2**20
 PRUNE_DEFAULTS: dict[str, Any] = {  # PruneConfig's fields and defaults, as a record stores them
