@@ -10,7 +10,7 @@ rcpu-bench run --matrix smoke --model '${shared}/models/stories260K' --results "
 for format in md latex csv; do
   rcpu-bench tables --results "$out" --table all --format "$format" --out "$out/tables.$format"
 done
-rcpu-bench tables --results "$out" --table ppl --profile "tinystories[500:1000]" --out "$out/tables-tinystories.md"
+rcpu-bench tables --results "$out" --table ppl --profile "tinystories[500:700]" --out "$out/tables-tinystories.md"
 rcpu-bench plots --results "$out" --out-dir "$out/plots"
 # Zero-shot accuracy (all seven tasks, 300 examples each) of stories260K dense and pruned by 20 %.
 rcpu-bench run --matrix results/zeroshot/matrix.yaml --results results/zeroshot --quiet
