@@ -19,6 +19,7 @@ from typing import Any
 
 from tabulate import tabulate
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
 from rcpu_bench import plots, tables
 from rcpu_bench.executors import EXECUTORS, make_executor
@@ -259,6 +260,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(dry_run_table(expand(matrix, default_registry())))
             return 0
         results = Path(args.results) if args.results else matrix_results_dir(matrix.name)
+        if not sys.stdout.isatty():  # a log: the per-cell lines are the progress, no \r bars (model loading's too)
+            hf_logging.disable_progress_bar()
         summary = run_matrix(matrix, results, executor=args.executor, resume=args.resume, progress=not args.quiet,
                              ray_address=args.ray_address, announce=print)
     except (MatrixError, StoreBusyError, ImportError) as error:

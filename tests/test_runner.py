@@ -255,8 +255,8 @@ def test_run_prints_the_plan_then_plain_cell_lines_then_the_table_and_plots(caps
     matrix_file = write_matrix(tmp_path / "m.yaml", tiny_raw(["wanda-sp", "rcpu-rot"], include_dense=True))
     results = tmp_path / "results"
     assert cli("--matrix", str(matrix_file), "--results", str(results)) == 0
-    out = capsys.readouterr().out
-    assert "\r" not in out
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err
     plan, cells = out.split("  estimated time: about ", 1)
     assert plan.splitlines() == ["matrix tiny: models mha", "  methods: Original, WANDA-sp, RCPU (Rot.)",
                                  "  ratios: 0%, 20%", "  3 cells: 3 to run, 0 already finished",
