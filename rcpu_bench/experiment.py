@@ -15,7 +15,7 @@ from rcpu_bench.models import LoadedModel, load_config, load_model, parameter_co
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.persistence import save_pruned
 from rcpu_bench.pipeline import PruneConfig, prune_model
-from rcpu_bench.records import library_versions
+from rcpu_bench.records import environment, library_versions
 from rcpu_bench.registry import Registry, default_registry
 from rcpu_bench.speed import inference_speed
 
@@ -98,6 +98,7 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         "model_provenance": loaded.provenance,
         "calibration": calib.provenance.as_dict(),
         "versions": library_versions(),
+        "environment": environment(experiment.device),
         "parameters": {"before": params_before, "after": params_after,
                        "removed_fraction": 1 - params_after / params_before},
         "perplexity": ppl,

@@ -36,12 +36,13 @@ class Profile:
     seqlen: int
     description: str
     stories: tuple[int, int] | None = None
+    windows: tuple[int, int] | None = None  # windows START..STOP−1 only (NAME[START:STOP]); None: every window
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("rcpu128", "wikitext2-test", 128,
             'WikiText-2-raw test, "\\n\\n".join, tokenized once, non-overlapping 128-token windows, remainder '
-            "dropped (RCPU / FLAP / LLM-Pruner)"),
+            "dropped (RCPU / FLAP / LLM-Pruner); rcpu128[START:STOP] scores windows START..STOP-1 only"),
     Profile("std2048", "wikitext2-test", 2048,
             "as rcpu128 with 2048-token windows, or max_position_embeddings if smaller (SparseGPT / Wanda / SliceGPT)"),
     Profile("tinystories", "tinystories", 512,
@@ -54,16 +55,21 @@ _RANGED = re.compile(r"(?P<name>\w+)\[(?P<start>\d+):(?P<stop>\d+)\]")
 
 
 def get_profile(name: str) -> Profile:
-    """The registered profile ``name``; a story profile also takes ``name[START:STOP]``."""
+    """The registered profile ``name``, or ``name[START:STOP]``: stories START..STOP−1 of a story profile,
+    windows START..STOP−1 of a windowed one (a cheaper, recorded subset of the protocol)."""
     match = _RANGED.fullmatch(name)
     base = PROFILES.get(match["name"] if match else name)
     if base is None:
-        raise KeyError(f"unknown perplexity profile {name!r}; allowed: {', '.join(PROFILES)}, tinystories[START:STOP]")
+        raise KeyError(f"unknown perplexity profile {name!r}; allowed: {', '.join(PROFILES)}, "
+                       "PROFILE[START:STOP]")
     if match is None:
         return base
+    start, stop = int(match["start"]), int(match["stop"])
+    if stop <= start:
+        raise ValueError(f"perplexity profile {name!r}: the range [START:STOP] needs STOP > START")
     if base.stories is None:
-        raise ValueError(f"perplexity profile {base.name!r} takes no story range (got {name!r})")
-    return replace(base, name=name, stories=(int(match["start"]), int(match["stop"])))
+        return replace(base, name=name, windows=(start, stop))
+    return replace(base, name=name, stories=(start, stop))
 
 
 def profile_source(name: str, data_dir: Path | str | None = None) -> data.SourceText:
@@ -152,7 +158,14 @@ def perplexity(model: nn.Module, tokenizer, profile: str = "rcpu128", *, batch_s
         raise ValueError(f"max_windows must be at least 1 or None, got {max_windows}")
     seqlen = min(chosen.seqlen, model.config.max_position_embeddings)
     source = profile_source(profile, data_dir)
-    sequences = _DATASETS[chosen.dataset](source, tokenizer, seqlen)[:max_windows]
+    sequences = _DATASETS[chosen.dataset](source, tokenizer, seqlen)
+    if chosen.windows is not None:
+        start, stop = chosen.windows
+        if stop > len(sequences):
+            raise ValueError(f"profile {chosen.name!r}: {source.origin} gives only {len(sequences)} windows of "
+                             f"{seqlen} tokens; STOP must be at most {len(sequences)}")
+        sequences = sequences[start:stop]
+    sequences = sequences[:max_windows]
     if not sequences:
         raise ValueError(f"profile {chosen.name!r}: {source.origin} gives no sequence of {seqlen} tokens")
     nll, n_tokens = sequence_nll(model, sequences, batch_size=batch_size, desc=f"ppl {chosen.name}")

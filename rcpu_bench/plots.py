@@ -21,8 +21,20 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from rcpu_bench.tables import (PAPER_PROFILE, STORE_FILE, cell_grid, check_profile, method_row, note_failed, percent,
-                               ppl_of, prune_config, read_store, resolve)
+from rcpu_bench.store import add_results_options, results_dir_of
+from rcpu_bench.tables import (
+    PAPER_PROFILE,
+    cell_grid,
+    check_profile,
+    default_profile,
+    method_row,
+    note_failed,
+    percent,
+    ppl_of,
+    prune_config,
+    read_store,
+    resolve,
+)
 
 COMPENSATOR_NAMES = {"none": "No comp.", "flap-bias": "Bias (FLAP)", "ridge": "LS (λ_best)",
                      "procrustes": "Rot.", "scaled-procrustes": "Rot.+Scale"}
@@ -205,10 +217,10 @@ def write_plots(entries: Sequence[Entry], out_dir: str | Path, profile: str = PA
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     """Add ``plots`` to the CLI's subcommands."""
     p = commands.add_parser("plots", help="draw the paper's figures from a results store (PNG)")
-    p.add_argument("--results", default="results", metavar="DIR",
-                   help=f"results directory holding {STORE_FILE} (default: results)")
+    add_results_options(p)
     p.add_argument("--out-dir", metavar="DIR", help="where the PNG files go (default: <results>/plots)")
-    p.add_argument("--profile", default=PAPER_PROFILE, help=f"perplexity profile plotted (default: {PAPER_PROFILE})")
+    p.add_argument("--profile", help=f"perplexity profile plotted (default: {PAPER_PROFILE}; without it the "
+                   f"store's {PAPER_PROFILE}[START:STOP] subset, else its first profile)")
     p.set_defaults(func=cmd_plots)
     return p
 
@@ -216,8 +228,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 def cmd_plots(args: argparse.Namespace) -> int:
     """Write the plots and print their paths; errors are reported with exit code 2."""
     try:
-        store = read_store(args.results)
-        paths = write_plots(store.entries, args.out_dir or Path(args.results) / "plots", args.profile)
+        results = results_dir_of(args)
+        store = read_store(results)
+        paths = write_plots(store.entries, args.out_dir or results / "plots", args.profile or default_profile(store.entries))
     except (ValueError, OSError) as error:
         print(f"rcpu-bench: error: {error}", file=sys.stderr)
         return 2

@@ -10,19 +10,44 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from tabulate import tabulate
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
+from rcpu_bench import plots, tables
 from rcpu_bench.executors import EXECUTORS, make_executor
-from rcpu_bench.matrix import Cell, Matrix, MatrixError, error_message, expand, load_matrix, shipped_matrices
+from rcpu_bench.matrix import (
+    Cell,
+    Matrix,
+    MatrixError,
+    error_message,
+    expand,
+    load_matrix,
+    shipped_matrices,
+)
+from rcpu_bench.models import load_config
 from rcpu_bench.pipeline import PruneConfig
 from rcpu_bench.registry import Registry, default_registry
-from rcpu_bench.store import FAILED, OK, Store, StoreBusyError
+from rcpu_bench.store import (
+    FAILED,
+    OK,
+    RECORDS,
+    Store,
+    StoreBusyError,
+    matrix_results_dir,
+)
+
+# Seconds per cell assumed for a model with no cell stored yet, by parameter count (upper bound, seconds):
+# stories260K on a 2-core CPU with the smoke matrix's evaluation subset, then rough guesses for a 1B model on a
+# CPU and for 7B/13B models on one GPU with the full rcpu128 evaluation. Only an estimate.
+DEFAULT_CELL_SECONDS = ((10e6, 10.0), (1.5e9, 300.0), (10e9, 900.0), (float("inf"), 1800.0))
 
 
 def preflight(cells: list[Cell], registry: Registry) -> None:
@@ -44,7 +69,9 @@ def preflight(cells: list[Cell], registry: Registry) -> None:
             where = f"cell {cell.id} ({cell.describe()}, model {cell.model})"
             raise MatrixError(f"{where}: {error_message(error)}") from None
     if any("zeroshot" in cell.eval for cell in cells):
-        from rcpu_bench.zeroshot import plan_zeroshot  # lm-eval: imported only when asked for
+        from rcpu_bench.zeroshot import (
+            plan_zeroshot,  # lm-eval: imported only when asked for
+        )
 
         try:
             plan_zeroshot()
@@ -83,12 +110,15 @@ def _outcome(entry: dict[str, Any]) -> str:
 
 
 class Progress:
-    """A bar over the cells to run (with ETA) whose postfix shows the current cell and the counts; a line per cell."""
+    """A bar over the cells to run (with ETA) whose postfix shows the current cell and the counts; a line per cell.
+
+    The bar is drawn only on a terminal; otherwise (a log file, a pipe) the per-cell lines are the progress."""
 
     def __init__(self, summary: RunSummary, cells: list[Cell], name: str, enabled: bool):
         self.summary, self.enabled = summary, enabled
         self.cells = {cell.id: cell for cell in cells}
-        self.bar = tqdm(total=len(cells), desc=f"matrix {name}", unit="cell", disable=not enabled)
+        self.bar = tqdm(total=len(cells), desc=f"matrix {name}", unit="cell",
+                        disable=not (enabled and sys.stdout.isatty()), file=sys.stdout)
 
     def started(self, cell: Cell) -> None:
         self.bar.set_postfix_str(f"{self.summary.counts()} | {cell.describe()}")
@@ -99,19 +129,83 @@ class Progress:
         if self.enabled:
             cell = self.cells[entry["cell_id"]]
             self.bar.write(f"[{entry['status']:>6}] {entry['cell_id']} {cell.describe()}: {_outcome(entry)} "
-                           f"({entry['seconds']:.1f} s)")
+                           f"({entry['seconds']:.1f} s)", file=sys.stdout)
 
     def close(self) -> None:
         self.bar.close()
 
 
+def _model_parameters(cell: Cell) -> float:
+    """The dense model's parameter count from its config alone: L·(4·d·d_attn + 3·d·d_ff) + V·d (·2 untied)."""
+    config, _ = load_config(cell.experiment().model, cell.revision)
+    d, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    attention = d * head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    embeddings = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
+    return layers * (attention + 3 * d * config.intermediate_size) + embeddings
+
+
+def default_cell_seconds(parameters: float) -> float:
+    """DEFAULT_CELL_SECONDS for a model of ``parameters`` parameters."""
+    return next(seconds for bound, seconds in DEFAULT_CELL_SECONDS if parameters <= bound)
+
+
+def estimate_seconds(todo: Sequence[Cell], stored: Sequence[dict[str, Any]]) -> tuple[float, str]:
+    """(seconds, how they were estimated) for running ``todo``: per cell, the mean seconds of the finished cells of
+    the same model already in the store, else DEFAULT_CELL_SECONDS for the model's size."""
+    seconds: dict[str, list[float]] = {}
+    for entry in stored:
+        seconds.setdefault(entry["cell"]["model_label"], []).append(entry["seconds"])
+    total, sources = 0.0, []
+    for label, cells in _by_model(todo).items():
+        if label in seconds:
+            per_cell = fmean(seconds[label])
+            sources.append(f"{label}: {per_cell:.1f} s/cell, the mean of its {len(seconds[label])} stored cells")
+        else:
+            per_cell = default_cell_seconds(_model_parameters(cells[0]))
+            sources.append(f"{label}: {per_cell:g} s/cell, the default for its size (no cell stored yet)")
+        total += per_cell * len(cells)
+    return total, "; ".join(sources)
+
+
+def _by_model(cells: Sequence[Cell]) -> dict[str, list[Cell]]:
+    groups: dict[str, list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault(cell.model_label, []).append(cell)
+    return groups
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def plan_text(matrix: Matrix, cells: Sequence[Cell], todo: Sequence[Cell], store: Store) -> str:
+    """What a run will do: the matrix, its models, methods and ratios, the cells to run and finished, where the
+    results go and an estimate of the time."""
+    ratios = sorted({cell.ratio for cell in cells})
+    lines = [f"matrix {matrix.name}: models {', '.join(_by_model(cells))}",
+             f"  methods: {', '.join(dict.fromkeys(cell.method_label for cell in cells))}",
+             f"  ratios: {', '.join(tables.percent(r) for r in ratios)}",
+             f"  {len(cells)} cells: {len(todo)} to run, {len(cells) - len(todo)} already finished",
+             f"  results: {store.dir / RECORDS}"]
+    if todo:
+        seconds, how = estimate_seconds(todo, [e for e in _stored(store) if e["status"] == OK])
+        lines.append(f"  estimated time: about {_duration(seconds)} (an estimate; {how})")
+    return "\n".join(lines)
+
+
+def _stored(store: Store) -> list[dict[str, Any]]:
+    return tables.read_store(store.dir).entries if (store.dir / RECORDS).is_file() else []
+
+
 def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local", resume: bool = True,
                progress: bool = True, *, registry: Registry | None = None,
-               ray_address: str | None = None) -> RunSummary:
+               ray_address: str | None = None, announce: Callable[[str], None] | None = None) -> RunSummary:
     """Run every cell of ``matrix`` not yet finished in ``results_dir`` and store each entry as it ends.
 
     The whole matrix is validated before any cell runs. ``resume=False`` reruns finished cells too
-    (the newest entry wins). ``registry`` defaults to the installed plugins.
+    (the newest entry wins). ``registry`` defaults to the installed plugins. ``announce`` receives the
+    plan (:func:`plan_text`) before the first cell runs.
     """
     registry = registry or default_registry()
     cells = expand(matrix, registry)
@@ -122,6 +216,8 @@ def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local",
         finished = store.finished() if resume else set()
         todo = [cell for cell in cells if cell.id not in finished]
         summary = RunSummary(store.dir, len(cells), skipped=len(cells) - len(todo))
+        if announce:
+            announce(plan_text(matrix, cells, todo, store))
         shown = Progress(summary, todo, matrix.name, progress)
         with closing(shown), closing(cell_runner.run(todo, registry, shown.started)) as entries:
             for entry in entries:
@@ -141,8 +237,19 @@ def dry_run_table(cells: list[Cell]) -> str:
     return tabulate(rows, headers=["cell", "model", "method", "ratio", "n_calib", "λ"]) + f"\n{len(cells)} cells"
 
 
-def default_results_dir(matrix: Matrix) -> Path:
-    return Path("results") / matrix.name
+def report_results(results_dir: Path) -> None:
+    """Print the perplexity table of the store (as ``rcpu-bench tables --results DIR --table ppl``) and write the
+    plots into ``<results_dir>/plots``."""
+    store = tables.read_store(results_dir)
+    profile = tables.default_profile(store.entries)
+    try:
+        print(tables.render(tables.make_tables(store.entries, "ppl", profile=profile)), end="")
+        written = plots.write_plots(store.entries, results_dir / "plots", profile)
+    except ValueError as error:  # e.g. no cell evaluated that profile
+        print(f"no table or plots: {error}")
+        return
+    print(f"plots ({len(written)} PNG files) in {results_dir / 'plots'}; all tables: "
+          f"rcpu-bench tables --results {results_dir}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -152,9 +259,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(dry_run_table(expand(matrix, default_registry())))
             return 0
-        results = Path(args.results) if args.results else default_results_dir(matrix)
+        results = Path(args.results) if args.results else matrix_results_dir(matrix.name)
+        if not sys.stdout.isatty():  # a log: the per-cell lines are the progress, no \r bars (model loading's too)
+            hf_logging.disable_progress_bar()
         summary = run_matrix(matrix, results, executor=args.executor, resume=args.resume, progress=not args.quiet,
-                             ray_address=args.ray_address)
+                             ray_address=args.ray_address, announce=print)
     except (MatrixError, StoreBusyError, ImportError) as error:
         print(f"rcpu-bench: error: {error}", file=sys.stderr)
         return 2
@@ -165,6 +274,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"matrix {matrix.name}: {summary.total} cells, {summary.counts()}; entries in {summary.results_dir}")
     if summary.failed:
         print("failed cells are retried by the next run (their tracebacks are in the store)")
+    if summary.ok + summary.skipped:
+        report_results(summary.results_dir)
     return 1 if summary.failed else 0
 
 

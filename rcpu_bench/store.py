@@ -32,11 +32,35 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from rcpu_bench.matrix import Cell
+from rcpu_bench.matrix import Cell, load_matrix
 from rcpu_bench.records import STORE_FILE, append_record, read_records
 
 RECORDS = STORE_FILE
 OK, FAILED = "ok", "failed"
+RESULTS_ROOT = Path("results")
+
+
+def matrix_results_dir(matrix_name: str) -> Path:
+    """Where ``rcpu-bench run`` writes a matrix's store unless told otherwise: ``results/<matrix name>``."""
+    return RESULTS_ROOT / matrix_name
+
+
+def add_results_options(parser: Any) -> None:
+    """``--results DIR`` or ``--matrix NAME`` (its default results directory), for the commands that read a store."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--results", metavar="DIR", help=f"results directory holding {RECORDS}")
+    where.add_argument("--matrix", metavar="NAME_OR_YAML",
+                       help=f"read the results directory that `rcpu-bench run --matrix` writes: {RESULTS_ROOT}/<name>")
+
+
+def results_dir_of(args: Any) -> Path:
+    """The results directory named by ``--results`` or ``--matrix``; neither is a ValueError saying what to give."""
+    if args.results:
+        return Path(args.results)
+    if args.matrix:
+        return matrix_results_dir(load_matrix(args.matrix).name)
+    raise ValueError(f"say which results to read: --results DIR, or --matrix NAME for {RESULTS_ROOT}/<matrix name> "
+                     "(where `rcpu-bench run --matrix NAME` writes)")
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from rcpu_bench.metric_maps import METRIC_MAPS
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.perplexity import get_profile
 from rcpu_bench.records import STORE_FILE, read_records
-
+from rcpu_bench.store import add_results_options, results_dir_of
 
 PAPER_CSV = Path("reference") / "rcpu_paper_tables.csv"
 PAPER_PROFILE = "rcpu128"  # the paper's WikiText-2 perplexities use the seqlen-128 protocol
@@ -247,9 +247,14 @@ PPL = Metric("wikitext2_ppl", "", "lower")
 TASK_HEADERS = {"boolq": "BoolQ", "piqa": "PIQA", "hellaswag": "Hella", "winogrande": "Wino", "arc_easy": "ARC-e",
                 "arc_challenge": "ARC-c", "openbookqa": "OBQA"}
 MEAN = Metric("mean", "Mean", "higher")
+PRUNE_PHASES = ("statistics", "score", "solve", "forward")  # rcpu_bench.pipeline's per-layer timings
 EFFICIENCY = (Metric("params", "Params", "lower", decimals=0, style="si"),
               Metric("memory_mib", "Peak memory (MiB)", "lower", decimals=0, style="grouped"),
-              Metric("seconds_per_layer", "Seconds per layer", "lower"))
+              Metric("seconds_per_layer", "Seconds per layer", "lower"),
+              *(Metric(f"{phase}_seconds_per_layer", f"{phase} s/layer", "lower", decimals=3) for phase in PRUNE_PHASES),
+              Metric("device", "Device", None),
+              Metric("prefill_tokens_per_s", "Prefill tok/s", "higher", decimals=0, style="grouped"),
+              Metric("decode_tokens_per_s", "Decode tok/s", "higher", decimals=0, style="grouped"))
 METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASK_HEADERS.items()), MEAN, *EFFICIENCY)}
 
 def ppl_of(profile: str) -> Extract:
@@ -295,12 +300,41 @@ def _seconds_per_layer(record: dict[str, Any]) -> float | None:
     return sum(timing["prune_seconds"].values()) / len(timing["layers"]) if timing["layers"] else None
 
 
+def _phase_per_layer(phase: str) -> Extract:
+    """Seconds of one pruning phase per layer: Σ_layers t_phase / number of layers; None when no layer has it."""
+    def extract(record: dict[str, Any]) -> float | None:
+        layers = record["timing"]["layers"]
+        times = [layer[phase] for layer in layers if phase in layer]
+        return sum(times) / len(layers) if times else None
+    return extract
+
+
+def _device_name(record: dict[str, Any]) -> str:
+    """The GPU or CPU model the run was measured on (records before rcpu_bench.records.environment: the device)."""
+    return record.get("environment", {}).get("device_name") or record["experiment"].get("device")
+
+
+def _inference(key: str) -> Extract:
+    """A generation throughput of the pruned model (``record["inference"]``), None when it was not measured."""
+    return lambda record: (record.get("inference") or {}).get(key)
+
+
 def zeroshot_metrics(metric_map: str) -> tuple[tuple[Metric, Extract], ...]:
     """The seven task columns under a named metric map, then their mean."""
     if metric_map not in METRIC_MAPS:
         raise ValueError(f"unknown metric map {metric_map!r}; allowed: {', '.join(METRIC_MAPS)}")
     tasks = [(METRICS[task], accuracy_of(task, metric)) for task, metric in METRIC_MAPS[metric_map].items()]
     return (*tasks, (MEAN, mean_of([extract for _, extract in tasks])))
+
+
+def default_profile(entries: Sequence[dict[str, Any]]) -> str:
+    """The profile shown unless one is asked for: the paper's (rcpu128) when an entry has it, else the store's one
+    window range of it (``rcpu128[START:STOP]``, the smoke matrix's recorded subset), else the first profile recorded."""
+    found = list(dict.fromkeys(p["profile"] for entry in entries for p in entry["record"]["perplexity"]))
+    if not found or PAPER_PROFILE in found:
+        return PAPER_PROFILE
+    subsets = [name for name in found if name.startswith(f"{PAPER_PROFILE}[")]
+    return subsets[0] if len(subsets) == 1 else found[0]
 
 
 def check_profile(entries: Sequence[dict[str, Any]], profile: str) -> None:
@@ -414,8 +448,9 @@ def spec(kind: str, profile: str = PAPER_PROFILE, metric_map: str = "paper") -> 
         return Spec(f"Zero-shot accuracy (%, metric map {metric_map}, higher is better)", method_row,
                     zeroshot_metrics(metric_map), per_slot=True, paper="zeroshot")
     if kind == "efficiency":
-        extracts = (_params, _memory_mib, _seconds_per_layer)
-        return Spec("Pruning cost", method_row, tuple(zip(EFFICIENCY, extracts)), per_slot=True, paper="efficiency")
+        extracts = (_params, _memory_mib, _seconds_per_layer, *map(_phase_per_layer, PRUNE_PHASES), _device_name,
+                    _inference("prefill_tokens_per_s"), _inference("decode_tokens_per_s"))
+        return Spec("Pruning cost and speed", method_row, tuple(zip(EFFICIENCY, extracts)), per_slot=True, paper="efficiency")
     raise ValueError(f"unknown table {kind!r}; allowed: {', '.join(TABLE_KINDS)}, all")
 
 
@@ -478,7 +513,7 @@ def _slot_columns(table_spec: Spec, slot: Slot, grid: Mapping[tuple[Slot, RowKey
     for metric, extract in table_spec.metrics:
         header = _join(prefix, metric.header)
         pairs.append((Column(header, group, metric), _ours(found, extract)))
-        if paper is not None:
+        if paper is not None and paper.reports(table_spec.paper, metric.key):
             pairs.append((Column(_join(header, "(paper)"), group, metric, reference=True),
                           _theirs(paper, table_spec.paper, slot, metric.key)))
     if any(chosen.lam is not None for chosen in found.values()):
@@ -532,6 +567,10 @@ class PaperNumbers:
             if key in self.index:
                 raise ValueError(f"the paper CSV has two cells for {key}")
             self.index[key] = cell.value
+
+    def reports(self, kind: str, metric: str) -> bool:
+        """Whether the paper's tables of ``kind`` have any number of ``metric`` (else no "(paper)" column)."""
+        return any(cell.table == kind and cell.metric == metric for cell in self.cells)
 
     def value(self, kind: str, slot: Slot, row: RowKey, metric: str) -> float | None:
         """The paper's number, or None; a paper cell without N_calib stands for every N_calib."""
@@ -709,10 +748,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     """Add ``tables`` to the CLI's subcommands."""
     p = commands.add_parser("tables", help="render the paper's tables from a results store",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--results", default="results", metavar="DIR", help=f"results directory holding {STORE_FILE}")
+    add_results_options(p)
     p.add_argument("--format", default="md", choices=FORMATS, help="Markdown, LaTeX (booktabs) or CSV")
     p.add_argument("--reference", choices=["paper"], help="put the paper's numbers beside ours")
-    p.add_argument("--profile", default=PAPER_PROFILE, help="perplexity profile of the ppl and ablation tables")
+    p.add_argument("--profile", help=f"perplexity profile of the ppl and ablation tables (default: {PAPER_PROFILE}; "
+                   f"without it the store's {PAPER_PROFILE}[START:STOP] subset, else its first profile)")
     p.add_argument("--table", default="all", choices=[*TABLE_KINDS, "all"], help="which table(s)")
     p.add_argument("--metric-map", default="paper", choices=list(METRIC_MAPS),
                    help="zero-shot metric per task (acc or acc_norm)")
@@ -724,9 +764,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 def cmd_tables(args: argparse.Namespace) -> int:
     """Render the tables; errors are reported with exit code 2, skipped failed entries on stderr."""
     try:
-        store = read_store(args.results)
+        store = read_store(results_dir_of(args))
         paper = read_paper() if args.reference == "paper" else None
-        tables = make_tables(store.entries, args.table, profile=args.profile, metric_map=args.metric_map, paper=paper)
+        tables = make_tables(store.entries, args.table, profile=args.profile or default_profile(store.entries),
+                             metric_map=args.metric_map, paper=paper)
         text = render(tables, args.format)
         if args.out:
             Path(args.out).write_text(text, encoding="utf-8")

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Regenerates the committed leaderboard in results/leaderboard: the smoke matrix on stories260K-mha (the
-# matrix's own model) and on the GQA original stories260K, then the tables and plots from the records.
+# Regenerates the committed leaderboard in results/leaderboard: the smoke matrix with the full perplexity
+# protocols (results/leaderboard/matrix.yaml) on stories260K-mha (the matrix's own model) and on the GQA
+# original stories260K, then the tables and plots from the records.
 # Resumable: finished cells are kept; delete results/leaderboard/records.jsonl to recompute everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=results/leaderboard
-rcpu-bench run --matrix smoke --results "$out" --quiet
-rcpu-bench run --matrix smoke --model '${shared}/models/stories260K' --results "$out" --quiet
+rcpu-bench run --matrix "$out/matrix.yaml" --results "$out" --quiet
+rcpu-bench run --matrix "$out/matrix.yaml" --model '${shared}/models/stories260K' --results "$out" --quiet
 for format in md latex csv; do
   rcpu-bench tables --results "$out" --table all --format "$format" --out "$out/tables.$format"
 done

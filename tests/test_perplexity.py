@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from rcpu_bench import data, paths
 from rcpu_bench.perplexity import PROFILES, get_profile, perplexity
 
-from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared fixtures not found (set {paths.SHARED_ENV})")
 
 
@@ -69,6 +69,14 @@ def test_rcpu128_matches_a_window_by_window_loop(model, tok, wiki_excerpt):
         "batch_size": 5}
 
 
+def test_a_window_range_scores_exactly_those_windows(model, tok, wiki_excerpt):
+    stream = data.token_stream(data.wikitext2_text(wiki_excerpt, "test"), tok)
+    losses = window_nlls(model, stream[: (stream.numel() // 128) * 128].view(-1, 128))
+    result = perplexity(model, tok, "rcpu128[2:5]", batch_size=2, data_dir=wiki_excerpt)
+    assert (result["profile"], result["n_windows"], result["n_tokens"]) == ("rcpu128[2:5]", 3, 3 * 127)
+    assert result["nll_mean"] == pytest.approx(sum(losses[2:5]) / 3, rel=1e-5)
+
+
 def test_std2048_is_capped_at_max_position_embeddings(model, tok, wiki_excerpt):
     result = perplexity(model, tok, "std2048", batch_size=3, data_dir=wiki_excerpt, max_windows=4)
     assert model.config.max_position_embeddings == 512
@@ -116,10 +124,13 @@ def test_the_training_mode_is_restored(tok, wiki_excerpt):
 def test_profile_registry_and_errors(model, tok, wiki_excerpt):
     assert set(PROFILES) == {"rcpu128", "std2048", "tinystories"}
     assert get_profile("tinystories[500:1000]").stories == (500, 1000)
+    assert get_profile("rcpu128[0:10]").windows == (0, 10) and get_profile("rcpu128[0:10]").stories is None
     with pytest.raises(KeyError, match="'wiki128'.*rcpu128, std2048, tinystories"):
         get_profile("wiki128")
-    with pytest.raises(ValueError, match="'rcpu128' takes no story range"):
-        get_profile("rcpu128[0:10]")
+    with pytest.raises(ValueError, match=r"'rcpu128\[5:5\]'.*STOP > START"):
+        get_profile("rcpu128[5:5]")
+    with pytest.raises(ValueError, match=r"gives only \d+ windows of 128 tokens; STOP must be at most"):
+        perplexity(model, tok, "rcpu128[0:100000]", data_dir=wiki_excerpt)
     with pytest.raises(ValueError, match="batch_size must be at least 1, got 0"):
         perplexity(model, tok, "rcpu128", batch_size=0, data_dir=wiki_excerpt)
     with pytest.raises(ValueError, match="max_windows must be at least 1 or None, got 0"):

@@ -23,7 +23,12 @@ from rcpu_bench.experiment import run_experiment
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.matrix import MatrixError, expand, load_matrix
 from rcpu_bench.registry import build_registry, default_registry, plugin_manager
-from rcpu_bench.runner import add_parser, run_matrix
+from rcpu_bench.runner import (
+    add_parser,
+    default_cell_seconds,
+    estimate_seconds,
+    run_matrix,
+)
 from rcpu_bench.store import Store
 
 REGISTRY = default_registry()
@@ -242,3 +247,33 @@ def test_the_ray_executor_says_how_to_install_ray_when_it_is_missing(monkeypatch
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ImportError, match=re.escape("pip install 'rcpu-bench[ray]'")):
         make_executor("ray")
+
+
+@needs_stories
+def test_run_prints_the_plan_then_plain_cell_lines_then_the_table_and_plots(capsys, tmp_path):
+    """Not a terminal (capsys): no bar, one line per cell; the plan first, the ppl table and plots at the end."""
+    matrix_file = write_matrix(tmp_path / "m.yaml", tiny_raw(["wanda-sp", "rcpu-rot"], include_dense=True))
+    results = tmp_path / "results"
+    assert cli("--matrix", str(matrix_file), "--results", str(results)) == 0
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err
+    plan, cells = out.split("  estimated time: about ", 1)
+    assert plan.splitlines() == ["matrix tiny: models mha", "  methods: Original, WANDA-sp, RCPU (Rot.)",
+                                 "  ratios: 0%, 20%", "  3 cells: 3 to run, 0 already finished",
+                                 f"  results: {results / 'records.jsonl'}"]
+    assert "(an estimate; mha: 10 s/cell, the default for its size (no cell stored yet))" in cells
+    assert len(re.findall(r"^\[    ok\] ", out, flags=re.MULTILINE)) == 3
+    assert "### TinyStories perplexity (tinystories[900:920], lower is better)" in out
+    assert f"plots (1 PNG files) in {results / 'plots'}" in out
+    assert [p.suffix for p in (results / "plots").iterdir()] == [".png"]
+    # A rerun estimates nothing (nothing to run), and a new cell is estimated from the stored cells' mean.
+    assert cli("--matrix", str(matrix_file), "--results", str(results), "--quiet") == 0
+    assert "3 cells: 0 to run, 3 already finished" in capsys.readouterr().out
+    stored = Store(results).entries()
+    mean = sum(e["seconds"] for e in stored) / 3
+    seconds, how = estimate_seconds(expand(tiny_matrix(["rcpu-rot-scale"]), REGISTRY), stored)
+    assert seconds == pytest.approx(mean) and how == f"mha: {mean:.1f} s/cell, the mean of its 3 stored cells"
+
+
+def test_the_default_cell_seconds_follow_the_parameter_count():
+    assert [default_cell_seconds(n) for n in (3e5, 1.1e9, 7e9, 7e10)] == [10.0, 300.0, 900.0, 1800.0]

@@ -17,8 +17,22 @@ from typing import Any
 import pytest
 
 from rcpu_bench.methods import ALIASES
-from rcpu_bench.tables import (PaperNumbers, add_parser, cmd_tables, make_tables, mark_disagreements, paper_table,
-                               rank_marks, read_paper, read_store, render, spec, table_marks, zeroshot_metrics)
+from rcpu_bench.tables import (
+    PaperNumbers,
+    add_parser,
+    cmd_tables,
+    default_profile,
+    make_tables,
+    mark_disagreements,
+    paper_table,
+    rank_marks,
+    read_paper,
+    read_store,
+    render,
+    spec,
+    table_marks,
+    zeroshot_metrics,
+)
 
 MIB = 2**20
 PRUNE_DEFAULTS: dict[str, Any] = {  # PruneConfig's fields and defaults, as a record stores them
@@ -227,10 +241,41 @@ def test_efficiency_table():
     entries = [entry("original", 0.0, 12.4, params_after=6_738_415_616, peak_bytes=25_705 * MIB, prune_seconds=0.0),
                entry("rcpu-rot", 0.1, 13.55, params_after=6_100_000_000, peak_bytes=3 * 2**30, prune_seconds=267.52)]
     (table,) = make_tables(entries, "efficiency")
-    assert [c.header for c in table.columns] == ["Params", "Peak memory (MiB)", "Seconds per layer"]
-    assert grid(table) == [("Original", 0.0, 6_738_415_616, 25_705.0, 0.0),
-                           ("RCPU (Rot.)", 0.1, 6_100_000_000, 3072.0, pytest.approx(8.36))]
+    assert [c.header for c in table.columns] == ["Params", "Peak memory (MiB)", "Seconds per layer",
+                                                 "statistics s/layer", "score s/layer", "solve s/layer",
+                                                 "forward s/layer", "Device", "Prefill tok/s", "Decode tok/s"]
+    # The synthetic layers split each layer's prune_seconds / 32 evenly into statistics and solve; no score or
+    # forward timings, no environment or experiment device and no inference measurement (blank).
+    assert grid(table) == [("Original", 0.0, 6_738_415_616, 25_705.0, 0.0, 0.0, None, 0.0, None, None, None, None),
+                           ("RCPU (Rot.)", 0.1, 6_100_000_000, 3072.0, pytest.approx(8.36),
+                            pytest.approx(267.52 / 64), None, pytest.approx(267.52 / 64), None, None, None, None)]
     assert "| RCPU (Rot.) | 10%  | 6.10B    | 3,072               | 8.36                |" in render([table], "md")
+
+
+def test_efficiency_table_shows_the_measured_device_and_generation_speed():
+    timed = entry("rcpu-rot", 0.1, 13.55, n_layers=2, prune_seconds=1.0)
+    timed["record"]["timing"]["layers"] = [
+        {"layer": 0, "statistics": 0.5, "score": 0.25, "solve": 2.0, "forward": 1.0},
+        {"layer": 1, "statistics": 1.5, "score": 0.75, "solve": 4.0, "forward": 3.0}]
+    timed["record"]["environment"] = {"device_name": "NVIDIA H100 80GB HBM3", "threads": 8}
+    timed["record"]["inference"] = {"batch_size": 1, "prompt_tokens": 128, "new_tokens": 64,
+                                    "prefill_tokens_per_s": 12345.6, "decode_tokens_per_s": 78.9, "device": "cuda"}
+    untimed = entry("wanda-sp", 0.1, 14.0)
+    (table,) = make_tables([timed, untimed], "efficiency")
+    rows = {row.label: row.cells[3:] for row in table.rows}
+    assert rows["RCPU (Rot.)"] == (1.0, 0.5, 3.0, 2.0, "NVIDIA H100 80GB HBM3", 12345.6, 78.9)
+    assert rows["WANDA-sp"][-3:] == (None, None, None)
+    text = render([table], "md")
+    assert "NVIDIA H100 80GB HBM3" in text and "12,346" in text and "| 79 " in text
+
+
+def test_the_default_profile_is_rcpu128_else_its_one_window_range_else_the_first():
+    full, subset, stories = (entry("rcpu-rot", 0.1, 13.0) for _ in range(3))
+    subset["record"]["perplexity"][0]["profile"] = "rcpu128[0:1024]"
+    stories["record"]["perplexity"][0]["profile"] = "tinystories[500:700]"
+    assert default_profile([full, subset]) == "rcpu128"
+    assert default_profile([stories, subset]) == "rcpu128[0:1024]"
+    assert default_profile([stories]) == "tinystories[500:700]" and default_profile([]) == "rcpu128"
 
 
 # ------------------------------------------------------------------------------------- the paper's numbers
@@ -443,3 +488,13 @@ def test_cli_rejects_an_unknown_metric_map(results, capsys):
     with pytest.raises(SystemExit) as exit_:
         run_cli(["--results", str(results), "--metric-map", "lm-eval"])
     assert exit_.value.code == 2 and "invalid choice: 'lm-eval'" in capsys.readouterr().err
+
+
+def test_cli_reads_the_results_directory_that_run_writes_for_a_matrix(results, tmp_path, monkeypatch, capsys):
+    (tmp_path / "results" / "smoke").mkdir(parents=True)
+    shutil.copy(results / "records.jsonl", tmp_path / "results" / "smoke" / "records.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["--matrix", "smoke", "--table", "ppl"]) == 0
+    assert capsys.readouterr().out == render(make_tables(read_store(results).entries, "ppl"), "md")
+    assert run_cli(["--table", "ppl"]) == 2
+    assert "--results DIR, or --matrix NAME for results/<matrix name>" in capsys.readouterr().err
