@@ -22,8 +22,8 @@ CHECKED = {("variance", "none"), ("variance", "flap-bias"), ("variance", "ridge"
            ("variance", "scaled-procrustes"), ("flap-wifv", "flap-bias")}
 
 
-def smoke_cells_at(ratio: str) -> list:
-    matrix = load_matrix("smoke", ratios=ratio)
+def leaderboard_cells_at(ratio: str) -> list:
+    matrix = load_matrix(str(LEADERBOARD / "matrix.yaml"), ratios=ratio)  # the smoke matrix, full protocols
     cells = expand(matrix, default_registry())
     return [c for c in cells if (c.prune["scorer"], c.prune["compensator"]) in CHECKED and c.lam in (None, 1.0)]
 
@@ -31,7 +31,7 @@ def smoke_cells_at(ratio: str) -> list:
 @pytest.mark.slow
 def test_smoke_cells_reproduce_the_committed_leaderboard():
     stored = Store(LEADERBOARD).latest()
-    cells = smoke_cells_at("0.2")
+    cells = leaderboard_cells_at("0.2")
     assert {(c.prune["scorer"], c.prune["compensator"]) for c in cells} == CHECKED  # and the dense cell
     models = ModelCache()
     for cell in cells:
