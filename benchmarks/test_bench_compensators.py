@@ -19,7 +19,7 @@ import pytest
 import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from compare_stats_vs_activations import ModuleShape, make_weight, module_shapes, select_columns, synthetic_batches
+from synthetic_modules import ModuleShape, make_weight, module_shapes, select_columns, synthetic_batches
 from rcpu_bench.compensators import (LAMBDA_GRID, Compensation, flap_bias, none, procrustes, ridge, ridge_grid,
                                      scaled_procrustes)
 from rcpu_bench.selection import Selection
