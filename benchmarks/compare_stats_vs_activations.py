@@ -35,18 +35,17 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from make_random_llama import llama_config
 from tabulate import tabulate
 from torch import Tensor, nn
 from transformers import LlamaForCausalLM
 
-from make_random_llama import llama_config
 from rcpu_bench.models import decoder_layers
 from rcpu_bench.pipeline import PruneConfig, Timer, capture_layer_inputs, prune_module, run_layer, unit_map
 from rcpu_bench.registry import default_registry

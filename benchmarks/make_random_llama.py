@@ -106,7 +106,9 @@ def write_model(out: Path, config: LlamaConfig, dtype: str, tokenizer_from: Path
 
 def default_tokenizer_source() -> Path:
     """The shared stories260K model directory (``$RCPU_BENCH_SHARED`` or ../shared), whose tokenizer we copy."""
-    from rcpu_bench.paths import shared_dir  # the harness's own lookup of the shared directory
+    from rcpu_bench.paths import (
+        shared_dir,  # the harness's own lookup of the shared directory
+    )
 
     return shared_dir() / "models" / "stories260K"
 

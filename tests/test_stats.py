@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import rcpu_bench.stats as stats_module
+from rcpu_bench.pipeline import PruneConfig
+from rcpu_bench.registry import default_registry
 from rcpu_bench.stats import ActivationStats, collect_input_stats
 
 F64 = torch.float64
@@ -284,3 +286,8 @@ def test_collect_input_stats_without_gram():
     with torch.no_grad(), collect_input_stats({"proj": layer}, with_gram=False) as collected:
         layer(torch.ones(2, 3, dtype=F64))
     assert collected["proj"].gram is None and collected["proj"].n == 2
+
+
+def test_prune_config_rejects_unknown_gram_precision():
+    with pytest.raises(ValueError, match="gram_precision='half'; allowed: mixed, float64"):
+        PruneConfig(gram_precision="half").validate(default_registry())
