@@ -1,283 +1,428 @@
-"""Statistics path versus the official RCPU stored-activation path: time, peak memory and agreement.
+"""One decoder layer, side by side: rcpu-bench's statistics path versus a replay of the official stored-activation path.
 
-For one LLaMA-7B module (o_proj 4096×4096 or down_proj 4096×11008) and N calibration tokens:
+Both paths prune the same random-init LLaMA-7B- or 13B-shaped decoder layer (o_proj and down_proj, ratio
+0.2, floor rounding) from the same N calibration tokens (random ids through the embedding, 128-token
+windows, batches of 8 windows), on the CPU or a CUDA device:
 
-* **stats** (ours): stream the activations batch by batch into ``ActivationStats`` (float64 sums and
-  Gram G = Σ x xᵀ), then compensate from G with ``rcpu_bench.compensators`` (float64).
-* **official** (RCPU code, methods-spec §2.1): store X (d_in × N) in float32, form Y = W X and
-  Z = W_K X_K, then M = Y Zᵀ and a float32 SVD (procrustes), or an explicit ``torch.linalg.inv`` of
-  X_K X_Kᵀ + λI (ridge).
+* **ours**: one pass with ``collect_input_stats`` (float64 moments and G = Σ x xᵀ, ``--gram-precision``),
+  then for o_proj and down_proj ``rcpu_bench.pipeline.prune_module``: the registry's ``variance`` scorer
+  (``activation='mean-abs'``, the official statistic), floor selection, the registry's compensator,
+  surgery.
+* **official** (methods-spec §2.1, replayed independently): forward hooks store X and Y of both modules
+  in float32 (preallocated: a lower bound of the reference's concatenated copies, on the same device)
+  and a running Σ|x|; score γ_j = ‖W_j‖₂·mean|x_j|·Var(x_j) (float32, population variance), head
+  scores summed, threshold sorted[⌊ρn⌋] with score ≥ threshold kept; procrustes: M = Y Zᵀ with
+  Z = W_K X_K, ``torch.linalg.svd`` in float32, Q W_K; ridge: (Y X_Kᵀ + λW_K)·inv(X_K X_Kᵀ + λI).
 
-Both paths draw the same seeded synthetic activations batch by batch, so they see bit-identical X.
-Every (path, module, N, compensator) runs in a fresh subprocess that reports its own time and peak
-RSS; a baseline child per module (imports, W, selection, nothing else) gives the memory to subtract.
-The compensated weights of the two paths are compared, so the run is also a correctness check.
+Each path then re-runs the pruned layer (the next layer's inputs). Times per layer are split into
+statistics (time inside the hooks), score (+ selection), solve (per module) and forward (the dense pass
+without the hook time, plus the pruned re-run). Peak memory: on CUDA ``max_memory_allocated`` above
+what the layer and its inputs hold; on the CPU the peak RSS (VmHWM) of a fresh subprocess per variant
+minus that of a baseline subprocess that only builds the layer and its inputs. The compensated weights
+of the two paths are compared (same selection, max relative difference); a disagreement above 1e-3
+exits with status 1. A token count whose official replay would not fit in memory is refused up front.
 
-Usage: python benchmarks/compare_stats_vs_activations.py [--scale 0.05] [--tokens 16384 65536] ...
+Usage: python benchmarks/compare_stats_vs_activations.py [--shape 7b] [--tokens 16384 65536] [--device cpu]
+           [--compensator procrustes ridge] [--scale 0.05] [--gram-precision mixed] [--gram-error] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
-from functools import partial
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+from make_random_llama import llama_config
 from tabulate import tabulate
-from torch import Tensor
+from torch import Tensor, nn
+from transformers import LlamaForCausalLM
 
-from rcpu_bench.compensators import procrustes, ridge
-from rcpu_bench.selection import Selection, select_by_score
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.models import decoder_layers
+from rcpu_bench.pipeline import PruneConfig, Timer, capture_layer_inputs, prune_module, run_layer, unit_map
+from rcpu_bench.registry import default_registry
+from rcpu_bench.stats import GRAM_PRECISIONS, collect_input_stats
+from rcpu_bench.surgery import prune_attention, prune_mlp
 
 SEED = 0
 RATIO = 0.2
 LAMBDA = 1e-4  # the official code's default --lam
-# Tokens per streamed batch: 8 calibration windows of 128 tokens, one forward batch of a pipeline.
-BATCH_TOKENS = 1024
-# Largest allowed max|W_ours − W_official| / max|W_official|: the official path is float32 throughout.
+SEQLEN = 128
+BATCH_WINDOWS = 8
+VOCAB = 512  # random ids; the embedding only has to feed the layer
 TOLERANCE = 1e-3
-PATHS = ("stats", "official")
+MODULES = {"attention": "o_proj", "mlp": "down_proj"}
 COMPENSATORS = ("procrustes", "ridge")
+GIB = 2**30
 
 
 @dataclass(frozen=True)
-class ModuleShape:
-    """A linear module W (d_out × d_in) whose input columns are pruned in units of ``unit_size``."""
+class RunSpec:
+    """One measurement, run in its own process; path 'baseline' only builds the layer and its inputs."""
 
-    name: str
-    d_out: int
-    d_in: int
-    unit_size: int
-
-
-def module_shapes(scale: float = 1.0) -> dict[str, ModuleShape]:
-    """LLaMA-7B o_proj (32 heads of 128 columns) and down_proj (11,008 channels), widths times ``scale``."""
-    head_dim = max(1, round(128 * scale))
-    hidden = 32 * head_dim
-    return {"o_proj": ModuleShape("o_proj", hidden, hidden, head_dim),
-            "down_proj": ModuleShape("down_proj", hidden, max(1, round(11008 * scale)), 1)}
+    path: str
+    shape: str
+    scale: float
+    tokens: int
+    compensator: str
+    gram_precision: str
+    gram_error: bool
+    device: str
+    threads: int
+    save: str
 
 
-def make_weight(shape: ModuleShape) -> Tensor:
-    """A seeded float32 weight with unit-variance outputs for unit-variance inputs."""
-    generator = torch.Generator().manual_seed(SEED)
-    return torch.randn(shape.d_out, shape.d_in, generator=generator) / shape.d_in**0.5
+def build_layer(spec: RunSpec) -> tuple[nn.Module, list]:
+    """The seeded random-init decoder layer on the device and its calibration inputs (LayerInput batches)."""
+    config = llama_config(spec.shape, spec.scale, layers=1)
+    config.vocab_size = VOCAB
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).eval()
+    device = torch.device(spec.device)
+    model.to(device)
+    ids = torch.randint(0, VOCAB, (spec.tokens // SEQLEN, SEQLEN), generator=torch.Generator().manual_seed(SEED + 1))
+    inputs = capture_layer_inputs(model, ids, BATCH_WINDOWS, device)
+    layer = decoder_layers(model)[0]
+    return layer, inputs
 
 
-def select_columns(weight: Tensor, shape: ModuleShape, ratio: float = RATIO) -> Selection:
-    """Prune the units (heads or channels) with the smallest column norms; data-free, so both paths agree."""
-    unit_scores = weight.norm(dim=0).reshape(-1, shape.unit_size).sum(1)
-    return select_by_score(unit_scores, ratio).columns(shape.unit_size)
+def projection(layer: nn.Module, module: str) -> nn.Linear:
+    return getattr(layer.self_attn if module == "attention" else layer.mlp, MODULES[module])
 
 
-def synthetic_batches(d_in: int, n_tokens: int, batch_tokens: int = BATCH_TOKENS) -> Iterator[Tensor]:
-    """Seeded float32 activations, (tokens × d_in) per batch, ``n_tokens`` in all.
-
-    Each channel has its own mean (≈ 0.1·N(0,1)) and scale (log-normal, e^{±0.25}), so the mean adds a
-    rank-one term to G as in real activations while G stays well conditioned for float32 solves.
-    """
-    generator = torch.Generator().manual_seed(SEED + 1)
-    mean = 0.1 * torch.randn(d_in, generator=generator)
-    scale = torch.exp(0.25 * torch.randn(d_in, generator=generator))
-    for start in range(0, n_tokens, batch_tokens):
-        yield torch.randn(min(batch_tokens, n_tokens - start), d_in, generator=generator) * scale + mean
+def timed(fn: Callable[..., Any], timer: Timer, name: str) -> Callable[..., Any]:
+    def wrapper(*args: Any) -> Any:
+        with timer(name):
+            return fn(*args)
+    return wrapper
 
 
-def gram_collector(d_in: int, n_tokens: int) -> tuple[ActivationStats, Callable[[Tensor], None]]:
-    """Our collector: float64 running sums and Gram matrix, memory independent of ``n_tokens``."""
-    stats = ActivationStats.empty(d_in)
-    return stats, stats.update
+def run_ours(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) -> dict[str, Any]:
+    """The statistics path through the library (one stats pass, prune_module per module); returns results."""
+    registry = default_registry()
+    config = PruneConfig(scorer="variance", scorer_params={"activation": "mean-abs"}, compensator=spec.compensator,
+                         compensator_params={"lam": LAMBDA} if spec.compensator == "ridge" else {}, ratio=RATIO,
+                         gram_precision=spec.gram_precision)
+    config.validate(registry)
+    projections = {m: projection(layer, m) for m in MODULES}
+    dense = {m: p.weight.detach().clone() for m, p in projections.items()} if spec.gram_error else {}
+    with collect_input_stats(projections, gram_precision=spec.gram_precision) as stats, \
+            collect_input_stats(projections if spec.gram_error else {}, gram_precision="float64") as reference:
+        for module, accumulator in stats.items():
+            accumulator.update = timed(accumulator.update, timer, f"{MODULES[module]} statistics")
+        for module, accumulator in reference.items():
+            accumulator.update = timed(accumulator.update, timer, f"{MODULES[module]} float64 check")
+        with timer("pass"):
+            run_layer(layer, inputs)
+    results: dict[str, Any] = {}
+    for module in MODULES:
+        module_timer = Timer(timer.device)
+        report = prune_module(layer, module, stats[module], config, registry, module_timer)
+        for part, seconds in module_timer.seconds.items():
+            timer.seconds[f"{MODULES[module]} {part}"] = seconds
+        mapping = unit_map(layer, module, config.gqa_rule)
+        pruned_units = torch.tensor(report["pruned_units"], dtype=torch.long)
+        results[module] = {"weight": projection(layer, module).weight.detach().cpu(),
+                           "pruned_columns": columns_of(pruned_units, mapping.unit_size)}
+        if spec.gram_error:
+            results[module] |= gram_error(dense[module], stats[module], reference[module], results[module], spec)
+    return results
 
 
-def activation_store(d_in: int, n_tokens: int) -> tuple[Tensor, Callable[[Tensor], None]]:
-    """The official collector: every input column kept in a float32 X (d_in × N).
-
-    X is preallocated and filled in place; the reference concatenates per-sample copies, which needs more.
-    """
-    x = torch.empty(d_in, n_tokens)
-    filled = 0
-
-    def store(batch: Tensor) -> None:
-        nonlocal filled
-        x[:, filled : filled + batch.shape[0]] = batch.T
-        filled += batch.shape[0]
-
-    return x, store
+def columns_of(units: Tensor, unit_size: int) -> Tensor:
+    """Input columns of the given units (heads of ``unit_size`` columns, or channels when 1), sorted."""
+    return (units.sort().values[:, None] * unit_size + torch.arange(unit_size)).reshape(-1)
 
 
-def solve_ours(compensator: str, weight: Tensor, stats: ActivationStats, selection: Selection) -> Tensor:
-    """Compensate from the statistics with the library's compensator (float64)."""
-    solver = {"procrustes": procrustes, "ridge": partial(ridge, lam=LAMBDA)}[compensator]
-    return solver(weight, stats, selection.kept, selection.pruned).weight
+def gram_error(weight: Tensor, stats, reference, result: dict[str, Any], spec: RunSpec) -> dict[str, float]:
+    """‖G − G₆₄‖_F/‖G₆₄‖_F and the compensated weight from G₆₄ against ours (max relative difference)."""
+    registry = default_registry()
+    pruned = result["pruned_columns"].to(weight.device)
+    kept_mask = torch.ones(weight.shape[1], dtype=torch.bool, device=weight.device)
+    kept_mask[pruned] = False
+    kept = kept_mask.nonzero().squeeze(1)
+    params = {"lam": LAMBDA} if spec.compensator == "ridge" else {}
+    from_float64 = registry.compensator(spec.compensator)(weight, reference, kept, pruned, **params).weight.cpu()
+    g, g64 = stats.gram, reference.gram
+    return {"gram_rel_frobenius_error": float((g - g64).norm() / g64.norm()),
+            "weight_rel_diff_vs_float64": max_relative_difference(result["weight"], from_float64)}
 
 
-def official_procrustes(weight: Tensor, x: Tensor, kept: Tensor) -> Tensor:
-    """RCPU ``rcpu``: Q = U Vᵀ from the float32 SVD of M = Y Zᵀ, new kept columns Q W_K."""
+class ActivationStore:
+    """The official hook: X and Y of one module stored in float32 (N × d), and a running Σ|x|."""
+
+    def __init__(self, module: nn.Linear, tokens: int, timer: Timer, name: str):
+        device = module.weight.device
+        self.x = torch.empty(tokens, module.in_features, device=device)
+        self.y = torch.empty(tokens, module.out_features, device=device)
+        self.abs_sum = torch.zeros(module.in_features, device=device)
+        self.filled = 0
+        self.timer, self.name = timer, name
+
+    def __call__(self, _module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+        with self.timer(f"{self.name} statistics"):
+            x = args[0].detach().reshape(-1, self.x.shape[1])
+            stop = self.filled + x.shape[0]
+            self.x[self.filled : stop] = x
+            self.y[self.filled : stop] = output.detach().reshape(-1, self.y.shape[1])
+            self.abs_sum += x.abs().sum(0)
+            self.filled = stop
+
+
+def official_pruned_columns(weight: Tensor, store: ActivationStore, unit_size: int) -> Tensor:
+    """γ_j = ‖W_j‖₂·mean|x_j|·Var(x_j) in float32, summed per head; units below sorted[⌊ρn⌋] are pruned."""
+    x = store.x
+    variance = (x.square().mean(0) - x.mean(0).square()).clamp_min(0)
+    score = weight.norm(dim=0) * (store.abs_sum / x.shape[0]) * variance
+    units = score.reshape(-1, unit_size).sum(1)
+    threshold = units.sort().values[math.floor(RATIO * len(units))]
+    return columns_of((units < threshold).nonzero().squeeze(1).cpu(), unit_size)
+
+
+def official_solve(compensator: str, weight: Tensor, store: ActivationStore, kept: Tensor) -> Tensor:
+    """Procrustes: Q W_K from the float32 SVD of M = Y Zᵀ; ridge: (Y X_Kᵀ + λW_K)·inv(X_K X_Kᵀ + λI)."""
     w_kept = weight[:, kept]
-    y, z = weight @ x, w_kept @ x[kept]
-    u, _, vh = torch.linalg.svd(y @ z.T, full_matrices=False)
-    return (u @ vh) @ w_kept
+    x_kept = store.x[:, kept]
+    if compensator == "procrustes":
+        u, _, vh = torch.linalg.svd(store.y.T @ (x_kept @ w_kept.T), full_matrices=False)
+        return (u @ vh) @ w_kept
+    identity = torch.eye(len(kept), device=weight.device)
+    return (store.y.T @ x_kept + LAMBDA * w_kept) @ torch.linalg.inv(x_kept.T @ x_kept + LAMBDA * identity)
 
 
-def official_ridge(weight: Tensor, x: Tensor, kept: Tensor) -> Tensor:
-    """RCPU ``propls``: (Y X_Kᵀ + λ W_K) · inv(X_K X_Kᵀ + λI), all float32, explicit inverse."""
-    x_kept = x[kept]
-    y = weight @ x
-    gram_kept = x_kept @ x_kept.T + LAMBDA * torch.eye(len(kept))
-    return (y @ x_kept.T + LAMBDA * weight[:, kept]) @ torch.linalg.inv(gram_kept)
+def run_official(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) -> dict[str, Any]:
+    """The stored-activation replay: one pass storing X and Y, then score, select, solve and shrink per module."""
+    stores = {m: ActivationStore(projection(layer, m), spec.tokens, timer, MODULES[m]) for m in MODULES}
+    handles = [projection(layer, m).register_forward_hook(stores[m]) for m in MODULES]
+    try:
+        with timer("pass"):
+            run_layer(layer, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    results: dict[str, Any] = {}
+    for module in MODULES:
+        name, weight = MODULES[module], projection(layer, module).weight.detach()
+        unit_size = unit_map(layer, module, "group").unit_size
+        with timer(f"{name} score"):
+            pruned = official_pruned_columns(weight, stores[module], unit_size)
+            kept_mask = torch.ones(weight.shape[1], dtype=torch.bool)
+            kept_mask[pruned] = False
+            kept = kept_mask.nonzero().squeeze(1).to(weight.device)
+        with timer(f"{name} solve"):
+            new_weight = official_solve(spec.compensator, weight, stores.pop(module), kept)
+        kept_units = kept[::unit_size] // unit_size
+        if module == "attention":
+            prune_attention(layer.self_attn, kept_units, kept_units, new_weight, None)
+        else:
+            prune_mlp(layer.mlp, kept, new_weight, None)
+        results[module] = {"weight": new_weight.cpu(), "pruned_columns": pruned}
+    return results
 
 
-def solve_official(compensator: str, weight: Tensor, x: Tensor, selection: Selection) -> Tensor:
-    """Compensate from the stored activations as the official code does."""
-    return {"procrustes": official_procrustes, "ridge": official_ridge}[compensator](weight, x, selection.kept)
-
-
-# path -> (collector(d_in, n_tokens) -> (state, fold), solver(compensator, weight, state, selection))
-PATH_STEPS = {"stats": (gram_collector, solve_ours), "official": (activation_store, solve_official)}
-
-
-def timed_fold(batches: Iterator[Tensor], fold: Callable[[Tensor], None]) -> float:
-    """Feed every batch to ``fold``; return the seconds spent folding (drawing the data is not counted)."""
-    spent = 0.0
-    for batch in batches:
-        start = time.perf_counter()
-        fold(batch)
-        spent += time.perf_counter() - start
-    return spent
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory (VmHWM) in MiB.
-
-    Not ``ru_maxrss``: a child started by vfork/exec inherits its parent's high-water mark there.
-    """
+def current_rss_peak_mib() -> float:
+    """This process's peak resident memory (VmHWM) in MiB; not ru_maxrss, which a vfork/exec child inherits."""
     with open("/proc/self/status") as status:
         line = next(line for line in status if line.startswith("VmHWM:"))
     return int(line.split()[1]) / 1024
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    """One measurement, run in its own process; path 'baseline' only builds W and the selection."""
-
-    path: str
-    module: str
-    tokens: int
-    compensator: str
-    scale: float
-    threads: int
-    save: str
-
-
-def worker(spec: RunSpec) -> dict[str, float]:
-    """Collect and compensate one module along one path; save the new weight, report time and peak RSS."""
+def worker(spec: RunSpec) -> dict[str, Any]:
+    """Build the layer and its inputs, run one path, save its results; report times and memory."""
     torch.set_num_threads(spec.threads)
-    shape = module_shapes(spec.scale)[spec.module]
-    weight = make_weight(shape)
-    selection = select_columns(weight, shape)
+    torch.set_grad_enabled(False)
+    layer, inputs = build_layer(spec)
+    device = torch.device(spec.device)
     if spec.path == "baseline":
-        return {"peak_mib": peak_rss_mib()}
-    collector, solver = PATH_STEPS[spec.path]
-    state, fold = collector(shape.d_in, spec.tokens)
-    collect_s = timed_fold(synthetic_batches(shape.d_in, spec.tokens), fold)
-    start = time.perf_counter()
-    new_weight = solver(spec.compensator, weight, state, selection)
-    solve_s = time.perf_counter() - start
-    peak = peak_rss_mib()
-    torch.save(new_weight, spec.save)
-    return {"collect_s": collect_s, "solve_s": solve_s, "peak_mib": peak}
+        return {"peak_mib": current_rss_peak_mib()}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    timer = Timer(device)
+    results = (run_ours if spec.path == "ours" else run_official)(layer, inputs, spec, timer)
+    with timer("forward rerun"):
+        run_layer(layer, inputs)
+    peak = (torch.cuda.max_memory_allocated(device) - held) / 2**20 if device.type == "cuda" else current_rss_peak_mib()
+    torch.save(results, spec.save)
+    return {"seconds": timer.seconds, "peak_mib": peak}
 
 
-def spawn(spec: RunSpec) -> dict[str, float]:
+def spawn(spec: RunSpec) -> dict[str, Any]:
     """Run ``worker(spec)`` in a fresh interpreter and return its report."""
     env = os.environ | {name: str(spec.threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(asdict(spec))],
                           env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"worker {spec} failed:\n{done.stderr}")
+        sys.exit(f"worker {spec} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def split_seconds(seconds: dict[str, float]) -> dict[str, float]:
+    """Per-module statistics/score/solve, forward (dense pass without hook time, plus the pruned re-run), total."""
+    parts = {f"{name} {part}": seconds.get(f"{name} {part}", 0.0)
+             for name in MODULES.values() for part in ("statistics", "score", "solve")}
+    hooks = sum(seconds.get(f"{name} {kind}", 0.0) for name in MODULES.values()
+                for kind in ("statistics", "float64 check"))
+    parts["forward"] = seconds["pass"] - hooks + seconds["forward rerun"]
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 def max_relative_difference(ours: Tensor, official: Tensor) -> float:
     """max|ours − official| / max|official|."""
-    return float((ours - official).abs().max() / official.abs().max())
+    return float((ours.double() - official.double()).abs().max() / official.double().abs().max())
 
 
-def compare(module: str, tokens: int, compensator: str, baseline_mib: float, args: argparse.Namespace,
-            workdir: Path) -> dict[str, float | int | str]:
-    """Run both paths for one case, print a progress line per run, and return the table row."""
-    reports, weights = {}, {}
-    for path in PATHS:
-        save = workdir / f"{path}.pt"
-        report = spawn(RunSpec(path, module, tokens, compensator, args.scale, args.threads, str(save)))
-        reports[path], weights[path] = report, torch.load(save)
-        print(f"{path:>8} {module:>9} N={tokens:<6} {compensator:<10} collect {report['collect_s']:7.2f} s"
-              f"  solve {report['solve_s']:7.2f} s  peak {report['peak_mib']:7.0f} MiB"
-              f" (net {report['peak_mib'] - baseline_mib:7.0f})", flush=True)
-    seconds = {path: reports[path]["collect_s"] + reports[path]["solve_s"] for path in PATHS}
-    net = {path: reports[path]["peak_mib"] - baseline_mib for path in PATHS}
-    return {"module": module, "tokens": tokens, "compensator": compensator,
-            "ours_s": seconds["stats"], "official_s": seconds["official"],
-            "time_ratio": seconds["stats"] / seconds["official"],
-            "ours_net_mib": net["stats"], "official_net_mib": net["official"],
-            "mem_ratio": net["stats"] / net["official"],
-            "ours_raw_mib": reports["stats"]["peak_mib"], "official_raw_mib": reports["official"]["peak_mib"],
-            "max_rel_diff": max_relative_difference(weights["stats"], weights["official"])}
+def needed_bytes(path: str, spec_tokens: int, shape: str, scale: float) -> dict[str, float]:
+    """Rough peak bytes of a path beyond the layer: the official one grows with N, ours with d_in² only.
+
+    Both hold the layer's inputs and outputs (4·N·2h). Official: X and Y of o_proj (2·4·N·h) and of
+    down_proj (4·N·(i + h)) plus its solve's X_K and Z (4·N·(0.8i + h)). Ours: G of both modules and about
+    six d_in² float64 solve temporaries of down_proj.
+    """
+    config = llama_config(shape, scale, layers=1)
+    h, i, n = config.hidden_size, config.intermediate_size, spec_tokens
+    both = 4 * n * 2 * h + 4 * (4 * h * h + 3 * h * i)
+    if path == "official":
+        return both + 4 * n * (2 * h + i + h) + 4 * n * (0.8 * i + h)
+    return both + 8 * (h * h + i * i) + 6 * 8 * i * i
 
 
-def baseline_mib(module: str, args: argparse.Namespace) -> float:
-    """Peak RSS of a child that only imports torch and builds the module's W and selection."""
-    peak = spawn(RunSpec("baseline", module, 0, "", args.scale, args.threads, ""))["peak_mib"]
-    print(f"baseline {module:>9} peak {peak:7.0f} MiB", flush=True)
-    return peak
+def available_bytes(device: str, limit_gib: float | None) -> float:
+    """Free memory on the device (CUDA free memory, or MemAvailable), capped by ``--max-memory-gib``."""
+    if torch.device(device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        with open("/proc/meminfo") as meminfo:
+            free = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    return min(free, limit_gib * GIB) if limit_gib else free
+
+
+def refuse_oversized(args: argparse.Namespace) -> str | None:
+    """A message naming each token count whose runs would not fit in the available memory, or None."""
+    free = available_bytes(args.device, args.max_memory_gib)
+    problems = []
+    for tokens in args.tokens:
+        for path in ("official", "ours"):
+            need = needed_bytes(path, tokens, args.shape, args.scale)
+            if need > free:
+                problems.append(f"N={tokens}: the {path} path needs about {need / GIB:.1f} GiB, more than the "
+                                f"{free / GIB:.1f} GiB available")
+    if problems:
+        return ("refusing to run (it would swap or be killed): " + "; ".join(problems)
+                + ". Pass fewer --tokens, a smaller --scale, or raise --max-memory-gib on a larger machine.")
+    return None
+
+
+def compare(tokens: int, compensator: str, args: argparse.Namespace, base: RunSpec, baseline_mib: float,
+            workdir: Path) -> list[dict[str, Any]]:
+    """Run every path for one case; return table rows (one per time part, peak memory, agreement)."""
+    variants = [("official", "mixed")] + [("ours", precision) for precision in args.gram_precision]
+    reports, results = {}, {}
+    for path, precision in variants:
+        label = path if path == "official" else f"ours[{precision}]"
+        spec = replace(base, path=path, tokens=tokens, compensator=compensator, gram_precision=precision,
+                       gram_error=args.gram_error and path == "ours" and precision == "mixed",
+                       save=str(workdir / f"{label}.pt"))
+        report = spawn(spec)
+        net = report["peak_mib"] - baseline_mib
+        reports[label] = split_seconds(report["seconds"]) | {"peak net MiB": net}
+        results[label] = torch.load(spec.save)
+        print(f"N={tokens:<7} {compensator:<10} {label:<14} " + "  ".join(
+            f"{k} {v:.2f}" for k, v in reports[label].items()), flush=True)
+    rows = []
+    for part in reports["official"]:
+        row: dict[str, Any] = {"tokens": tokens, "compensator": compensator, "part": part}
+        for label, report in reports.items():
+            row[label] = report[part]
+        for label in reports:
+            if label != "official":
+                row[f"{label}/official"] = report_ratio(reports[label][part], reports["official"][part])
+        rows.append(row)
+    for module, name in MODULES.items():
+        official = results["official"][module]
+        for label in reports:
+            if label == "official":
+                continue
+            ours = results[label][module]
+            same = torch.equal(ours["pruned_columns"].sort().values, official["pruned_columns"].sort().values)
+            row = {"tokens": tokens, "compensator": compensator, "part": f"{name} agreement", "variant": label,
+                   "same_selection": same,
+                   "max_rel_diff": max_relative_difference(ours["weight"], official["weight"]) if same else math.nan}
+            row |= {k: v for k, v in ours.items() if k not in ("weight", "pruned_columns")}
+            rows.append(row)
+    return rows
+
+
+def report_ratio(ours: float, official: float) -> float:
+    return ours / official if official > 0 else math.nan
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--worker`` (internal) runs one measurement and prints its JSON report."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply module widths (e.g. 0.05 to validate)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536], help="calibration tokens N")
-    parser.add_argument("--modules", nargs="+", choices=["o_proj", "down_proj"], default=["o_proj", "down_proj"])
+    parser.add_argument("--shape", choices=["7b", "13b"], default="7b")
+    parser.add_argument("--scale", type=float, default=1.0, help="shrink widths (e.g. 0.05 to validate)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16384], help="calibration tokens N "
+                        "(multiples of 128; e.g. 16384 65536 262144)")
     parser.add_argument("--compensator", nargs="+", choices=COMPENSATORS, default=list(COMPENSATORS))
+    parser.add_argument("--gram-precision", nargs="+", choices=list(GRAM_PRECISIONS), default=["mixed"],
+                        help="our Gram precision(s); each is its own variant")
+    parser.add_argument("--gram-error", action="store_true", help="also accumulate a float64 G in the mixed run "
+                        "and report ‖G − G64‖/‖G64‖ and the weight compensated from G64 (time not counted)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch/OpenMP threads per run")
-    parser.add_argument("--out", type=Path, help="also write the table (and settings) as JSON here")
+    parser.add_argument("--max-memory-gib", type=float, help="refuse runs that need more than this")
+    parser.add_argument("--out", type=Path, help="also write the rows (and settings) as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    bad = [n for n in args.tokens if n <= 0 or n % SEQLEN]
+    if bad:
+        parser.error(f"--tokens {bad}: each must be a positive multiple of {SEQLEN}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every (module, N, compensator) on both paths, print the table; exit 1 if the paths disagree."""
+    """Run every (N, compensator) on both paths, print the table; exit 1 if the paths disagree."""
     args = parse_args(argv)
     if args.worker:
         print(json.dumps(worker(RunSpec(**json.loads(args.worker)))))
         return 0
-    shapes = module_shapes(args.scale)
-    print(f"scale {args.scale}: " + ", ".join(f"{s.name} {s.d_out}×{s.d_in}" for s in shapes.values())
-          + f"; {args.threads} threads; batches of {BATCH_TOKENS} tokens", flush=True)
+    refusal = refuse_oversized(args)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    config = llama_config(args.shape, args.scale, layers=1)
+    print(f"{args.shape} x{args.scale}: hidden {config.hidden_size}, MLP {config.intermediate_size}, "
+          f"{config.num_attention_heads} heads; {args.device}, {args.threads} threads", flush=True)
+    base = RunSpec("baseline", args.shape, args.scale, SEQLEN * BATCH_WINDOWS, "", "mixed", False, args.device,
+                   args.threads, "")
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
-        for module in args.modules:
-            base = baseline_mib(module, args)
-            rows += [compare(module, tokens, compensator, base, args, Path(workdir))
-                     for tokens in args.tokens for compensator in args.compensator]
-    print(tabulate(rows, headers="keys", floatfmt=".3g"))
+        for tokens in args.tokens:
+            baseline = 0.0 if torch.device(args.device).type == "cuda" else spawn(replace(base, tokens=tokens))["peak_mib"]
+            rows += [row for compensator in args.compensator
+                     for row in compare(tokens, compensator, args, base, baseline, Path(workdir))]
+    print(tabulate([r for r in rows if "agreement" not in r["part"]], headers="keys", floatfmt=".3g"))
+    print(tabulate([r for r in rows if "agreement" in r["part"]], headers="keys", floatfmt=".3g"))
     if args.out:
-        settings = {"scale": args.scale, "threads": args.threads, "batch_tokens": BATCH_TOKENS,
-                    "ratio": RATIO, "lambda": LAMBDA, "torch": torch.__version__}
-        args.out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
-    failed = [row for row in rows if not row["max_rel_diff"] <= TOLERANCE]
+        settings = {"shape": args.shape, "scale": args.scale, "device": args.device, "threads": args.threads,
+                    "ratio": RATIO, "lambda": LAMBDA, "seqlen": SEQLEN, "batch_windows": BATCH_WINDOWS,
+                    "torch": torch.__version__}
+        args.out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2, default=str))
+    failed = [r for r in rows if "agreement" in r["part"] and not (r["same_selection"] and r["max_rel_diff"] <= TOLERANCE)]
     for row in failed:
-        print(f"MISMATCH {row['module']} N={row['tokens']} {row['compensator']}: "
-              f"max relative difference {row['max_rel_diff']:.2e} > {TOLERANCE:g}")
+        print(f"MISMATCH N={row['tokens']} {row['compensator']} {row['part']} {row['variant']}: same selection "
+              f"{row['same_selection']}, max relative difference {row['max_rel_diff']:.2e} (tolerance {TOLERANCE:g})")
     return 1 if failed else 0
 
 

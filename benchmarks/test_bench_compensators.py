@@ -2,7 +2,8 @@
 
 Each compensator runs on o_proj (4096×4096) and down_proj (4096×11008) at pruning ratio 0.2, from a
 Gram matrix built once per module from 16,384 synthetic tokens (not timed). A second group compares
-the 13-value λ grid from one eigendecomposition (``ridge_grid``) with 13 separate Cholesky solves.
+the 13-value λ grid from one eigendecomposition (``ridge_grid``) with 13 separate Cholesky solves. A
+third times folding one chunk of tokens into G in each ``gram_precision`` (mixed versus float64).
 
 Environment: RCPU_BENCH_SCALE multiplies the module widths (default 1; 0.05 to validate quickly),
 RCPU_BENCH_ROUNDS sets the timed rounds per benchmark (default 1: a full-size call takes seconds).
@@ -19,11 +20,11 @@ import pytest
 import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from compare_stats_vs_activations import ModuleShape, make_weight, module_shapes, select_columns, synthetic_batches
+from synthetic_modules import ModuleShape, make_weight, module_shapes, select_columns, synthetic_batches
 from rcpu_bench.compensators import (LAMBDA_GRID, Compensation, flap_bias, none, procrustes, ridge, ridge_grid,
                                      scaled_procrustes)
 from rcpu_bench.selection import Selection
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.stats import CHUNK_TOKENS, GRAM_PRECISIONS, ActivationStats
 
 SCALE = float(os.environ.get("RCPU_BENCH_SCALE", "1"))
 ROUNDS = int(os.environ.get("RCPU_BENCH_ROUNDS", "1"))
@@ -95,3 +96,16 @@ def test_lambda_grid_separate_cholesky(benchmark: BenchmarkFixture, case: Case) 
     benchmark.group = f"lambda grid {case.shape.name}"
     solutions = timed(benchmark, separate_ridge, case)
     assert all(torch.isfinite(solution.weight).all() for solution in solutions)
+
+
+@pytest.mark.parametrize("module", ["o_proj", "down_proj"])
+@pytest.mark.parametrize("precision", GRAM_PRECISIONS)
+def test_gram_accumulation(benchmark: BenchmarkFixture, module: str, precision: str) -> None:
+    """Time folding one chunk of synthetic tokens into the statistics; G must match float64 to 1e-5 (not timed)."""
+    benchmark.group = f"gram {module}"
+    shape = module_shapes(SCALE)[module]
+    batch = next(synthetic_batches(shape.d_in, CHUNK_TOKENS, CHUNK_TOKENS))
+    stats = benchmark.pedantic(ActivationStats.from_activations, args=(batch,),
+                               kwargs={"gram_precision": precision}, rounds=ROUNDS, iterations=1)
+    exact = batch.double().T @ batch.double()
+    assert float((stats.gram - exact).norm() / exact.norm()) <= 1e-5

@@ -14,6 +14,7 @@ from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, default_model, run_
 from rcpu_bench.pipeline import MODULES, PruneConfig
 from rcpu_bench.records import append_record
 from rcpu_bench.registry import default_registry
+from rcpu_bench.stats import GRAM_PRECISIONS
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -67,7 +68,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
                          rounding=args.rounding, prune=args.prune, compensate=args.compensate, gqa_rule=args.gqa_rule,
                          head_aggregation=args.head_aggregation, statistics=args.statistics,
                          structure=args.structure, recollect_mlp=args.recollect_mlp, offload=args.offload,
-                         batch_size=args.batch_size, model_method=args.model_method,
+                         batch_size=args.batch_size, gram_precision=args.gram_precision,
+                         model_method=args.model_method,
                          model_method_params=_params(args.model_method_param))
     experiment = Experiment(model=args.model or default_model(), prune=config, calib=args.calib, ppl_profiles=tuple(args.ppl),
                             revision=args.revision, dtype=args.dtype, device=args.device,
@@ -119,6 +121,8 @@ def _add_prune_parser(commands) -> None:
                    help="re-collect down_proj statistics after attention is pruned (not RCPU's default)")
     p.add_argument("--offload", action="store_true", help="keep only the current layer on the device")
     p.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
+    p.add_argument("--gram-precision", default="mixed", choices=list(GRAM_PRECISIONS),
+                   help="G = sum x x^T from float32 products summed in float64 (mixed), or all float64")
     p.add_argument("--calib", default=DEFAULT_CALIB,
                    help="calibration data SOURCE[:NxSEQLEN][:seed=S]; sources wikitext2, tinystories, file:PATH")
     p.add_argument("--ppl", action="append", default=None, metavar="PROFILE",

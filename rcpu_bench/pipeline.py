@@ -27,7 +27,7 @@ from rcpu_bench.models import decoder_layers, layer_geometry
 from rcpu_bench.registry import Registry, default_registry
 from rcpu_bench.scorers import unit_scores
 from rcpu_bench.selection import Rounding, Selection, n_pruned, select_by_score, select_within_groups
-from rcpu_bench.stats import ActivationStats, collect_input_stats
+from rcpu_bench.stats import ActivationStats, GramPrecision, check_gram_precision, collect_input_stats
 from rcpu_bench.surgery import prune_attention, prune_mlp
 
 _PROJ = {"attention": "o_proj", "mlp": "down_proj"}
@@ -52,6 +52,7 @@ class PruneConfig:
     recollect_mlp: bool = False
     offload: bool = False
     batch_size: int = 8
+    gram_precision: GramPrecision = "mixed"  # G = Σ x xᵀ from float32 products ("mixed") or all float64 (stats.py)
     model_method: str | None = None  # a registered whole-model method (e.g. slicegpt) instead of scorer × compensator
     model_method_params: dict[str, Any] = field(default_factory=dict)
 
@@ -75,6 +76,7 @@ class PruneConfig:
                 raise ValueError(f"{key} has unknown module(s) {sorted(bad)}; allowed: {', '.join(MODULES)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+        check_gram_precision(self.gram_precision)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -230,11 +232,11 @@ def _on_device(layer: nn.Module, device: torch.device, offload: bool):
             layer.to("cpu")
 
 
-def _collect(layer: nn.Module, modules: list[str], inputs: list[LayerInput],
-             gram_modules: list[str]) -> tuple[dict[str, ActivationStats], list[Tensor]]:
+def _collect(layer: nn.Module, modules: list[str], inputs: list[LayerInput], gram_modules: list[str],
+             gram_precision: GramPrecision = "mixed") -> tuple[dict[str, ActivationStats], list[Tensor]]:
     """One pass of the layer over the calibration inputs, streaming the chosen modules' statistics."""
     projections = {m: _projection(layer, m) for m in modules}
-    with collect_input_stats(projections, with_gram=gram_modules) as stats:
+    with collect_input_stats(projections, with_gram=gram_modules, gram_precision=gram_precision) as stats:
         outputs = run_layer(layer, inputs)
     return stats, outputs
 
@@ -318,12 +320,12 @@ def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig
     modules = [m for m in MODULES if m in config.prune]
     gram = _gram_modules(modules, config, registry)
     with timer("statistics"):
-        stats, dense_outputs = _collect(layer, modules, inputs, gram)
+        stats, dense_outputs = _collect(layer, modules, inputs, gram, config.gram_precision)
     report: dict[str, Any] = {}
     for module in modules:
         if module == "mlp" and config.recollect_mlp and "attention" in modules:
             with timer("statistics"):
-                stats["mlp"] = _collect(layer, ["mlp"], inputs, gram)[0]["mlp"]
+                stats["mlp"] = _collect(layer, ["mlp"], inputs, gram, config.gram_precision)[0]["mlp"]
         units = selections[module] if selections else None
         report[module] = prune_module(layer, module, stats[module], config, registry, timer, units)
     return report, dense_outputs

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import rcpu_bench.stats as stats_module
+from rcpu_bench.pipeline import PruneConfig
+from rcpu_bench.registry import default_registry
 from rcpu_bench.stats import ActivationStats, collect_input_stats
 
 F64 = torch.float64
@@ -88,12 +90,56 @@ def test_constant_channel_has_zero_variance_not_negative():
     torch.testing.assert_close(s.variance, torch.zeros(3, dtype=F64), atol=1e-15, rtol=0)
 
 
-def test_stats_are_float64_for_low_precision_inputs():
+def test_float64_gram_of_float32_inputs_is_exact():
     X = make_X(4, 20, seed=1)
-    s = ActivationStats.from_activations(X.T.to(torch.float32))
+    s = ActivationStats.from_activations(X.T.to(torch.float32), gram_precision="float64")
     assert s.sum.dtype == s.gram.dtype == F64
     x32 = X.to(torch.float32).to(F64)
     torch.testing.assert_close(s.gram, x32 @ x32.T, rtol=1e-12, atol=1e-10)
+
+
+UNIT_ROUNDOFF_F32 = 2.0**-24
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 60), st.integers(1, 5), st.integers(1, 25), st.integers(0, 10_000),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+def test_mixed_gram_is_within_float32_rounding_of_float64(d_in, n_tokens, block, chunk, seed, dtype):
+    """|G_mixed − G_64| ≤ (n_c + 1)·u·(|X||X|ᵀ): a float32 dot product of n_c terms plus its rounding.
+
+    G_64 is the exact float64 Gram of the same (float32 or bfloat16) inputs; blocks and chunks are tiny so
+    that the upper-triangle blocks, their mirror and several chunks are all exercised.
+    """
+    x = make_X(d_in, n_tokens, seed).T.to(dtype)  # tokens × d_in, as a module sees them
+    with mock.patch.object(stats_module, "GRAM_BLOCK", block), mock.patch.object(stats_module, "CHUNK_TOKENS", chunk):
+        mixed = ActivationStats.from_activations(x).gram
+    x64 = x.to(F64)
+    exact = x64.T @ x64
+    bound = (min(chunk, n_tokens) + 1) * UNIT_ROUNDOFF_F32 * (x64.abs().T @ x64.abs())
+    assert mixed.dtype == F64
+    assert torch.equal(mixed, mixed.T)
+    assert ((mixed - exact).abs() <= bound * (1 + 1e-9) + 1e-300).all()
+
+
+def test_unknown_gram_precision_is_rejected():
+    with pytest.raises(ValueError, match="gram_precision='float16'; allowed: mixed, float64"):
+        ActivationStats.empty(3, gram_precision="float16")
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 9), st.integers(1, 4), st.integers(0, 10_000))
+def test_reading_gram_between_updates_keeps_it_exact(d_in, block, seed):
+    """The lower triangle is mirrored on read; later updates (upper only) must show up on the next read."""
+    X = make_X(d_in, 12, seed)
+    s = ActivationStats.empty(d_in)
+    with mock.patch.object(stats_module, "GRAM_BLOCK", block):
+        s.update(X[:, :5].T)
+        first = s.gram.clone()
+        s.update(X[:, 5:].T)
+        second = s.gram
+    x = X.numpy()
+    np.testing.assert_allclose(first.numpy(), x[:, :5] @ x[:, :5].T, rtol=1e-12, atol=1e-10)
+    np.testing.assert_allclose(second.numpy(), x @ x.T, rtol=1e-12, atol=1e-10)
 
 
 def test_without_gram_keeps_moments_only():
@@ -151,11 +197,13 @@ def test_many_small_batches_equal_one_big_batch(d_in, batch_sizes, seed):
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.integers(1, 6), st.integers(2, 40), st.integers(1, 5), st.integers(0, 10_000))
-def test_chunked_update_equals_unchunked(d_in, n_tokens, chunk, seed):
+@given(st.integers(1, 6), st.integers(2, 40), st.integers(1, 5), st.integers(1, 4), st.integers(0, 10_000),
+       st.sampled_from(["mixed", "float64"]))
+def test_chunked_update_equals_unchunked(d_in, n_tokens, chunk, block, seed, precision):
+    """Float64 inputs: both precisions compute their products in float64, in chunks and (mixed) blocks."""
     X = make_X(d_in, n_tokens, seed)
-    with mock.patch.object(stats_module, "CHUNK_TOKENS", chunk):
-        chunked = stats_of(X)
+    with mock.patch.object(stats_module, "CHUNK_TOKENS", chunk), mock.patch.object(stats_module, "GRAM_BLOCK", block):
+        chunked = ActivationStats.from_activations(X.T, gram_precision=precision)
     x = X.numpy()
     assert chunked.n == n_tokens
     np.testing.assert_allclose(chunked.gram.numpy(), x @ x.T, rtol=1e-12, atol=1e-10)
@@ -225,8 +273,21 @@ def test_collect_input_stats_gram_only_for_named_modules():
     assert collected["up"].n == collected["down"].n == 10
 
 
+@pytest.mark.parametrize("precision", ["mixed", "float64"])
+def test_collect_input_stats_passes_gram_precision(precision):
+    layer = nn.Linear(3, 2, bias=False)
+    with torch.no_grad(), collect_input_stats({"proj": layer}, gram_precision=precision) as collected:
+        layer(torch.ones(2, 3))
+    assert collected["proj"].gram_precision == precision
+
+
 def test_collect_input_stats_without_gram():
     layer = linear(3, 2, seed=12)
     with torch.no_grad(), collect_input_stats({"proj": layer}, with_gram=False) as collected:
         layer(torch.ones(2, 3, dtype=F64))
     assert collected["proj"].gram is None and collected["proj"].n == 2
+
+
+def test_prune_config_rejects_unknown_gram_precision():
+    with pytest.raises(ValueError, match="gram_precision='half'; allowed: mixed, float64"):
+        PruneConfig(gram_precision="half").validate(default_registry())
