@@ -188,10 +188,11 @@ def write_atomically(directory: str | os.PathLike, write: Callable[[Path], None]
     """Have ``write(staging)`` fill a temporary directory beside ``directory``, then rename it into place.
 
     An interrupted or failing write leaves nothing behind (and an existing ``directory`` untouched); an
-    existing ``directory`` raises FileExistsError unless ``overwrite``. Every saver uses this.
+    existing ``directory`` raises FileExistsError unless ``overwrite`` or it is an empty directory (which
+    ``Experiment.validate`` accepts for ``--save``, so the save after all the work must too). Every saver uses this.
     """
     target = Path(directory)
-    if target.exists() and not overwrite:
+    if target.exists() and not overwrite and not (target.is_dir() and not any(target.iterdir())):
         raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))

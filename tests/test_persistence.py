@@ -191,6 +191,15 @@ def test_existing_directory_needs_overwrite(tmp_path):
     assert leftovers(tmp_path, "m") == []
 
 
+def test_existing_empty_directory_is_filled(tmp_path):
+    """Regression: --save into an existing empty directory passed validation, then failed after all the work."""
+    model = pruned_tiny()
+    (tmp_path / "m").mkdir()
+    save_pruned(model, tmp_path / "m")
+    assert layer_geometries(load_pruned(tmp_path / "m").model) == layer_geometries(model)
+    assert leftovers(tmp_path, "m") == []
+
+
 def test_non_json_method_fails_before_writing(tmp_path):
     with pytest.raises(TypeError, match="not JSON serializable"):
         save_pruned(pruned_tiny(), tmp_path / "m", method={"dtype": torch.float32})
