@@ -47,7 +47,7 @@ from rcpu_bench.store import (
 # Seconds per cell assumed for a model with no cell stored yet, by parameter count (upper bound, seconds):
 # stories260K on a 2-core CPU with the smoke matrix's evaluation subset, then rough guesses for a 1B model on a
 # CPU and for 7B/13B models on one GPU with the full rcpu128 evaluation. Only an estimate.
-DEFAULT_CELL_SECONDS = ((10e6, 10.0), (1.5e9, 300.0), (10e9, 900.0), (float("inf"), 1800.0))
+DEFAULT_CELL_SECONDS = ((10e6, 6.0), (1.5e9, 300.0), (10e9, 900.0), (float("inf"), 1800.0))
 
 
 def preflight(cells: list[Cell], registry: Registry) -> None:

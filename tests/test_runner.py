@@ -261,7 +261,7 @@ def test_run_prints_the_plan_then_plain_cell_lines_then_the_table_and_plots(caps
     assert plan.splitlines() == ["matrix tiny: models mha", "  methods: Original, WANDA-sp, RCPU (Rot.)",
                                  "  ratios: 0%, 20%", "  3 cells: 3 to run, 0 already finished",
                                  f"  results: {results / 'records.jsonl'}"]
-    assert "(an estimate; mha: 10 s/cell, the default for its size (no cell stored yet))" in cells
+    assert "(an estimate; mha: 6 s/cell, the default for its size (no cell stored yet))" in cells
     assert len(re.findall(r"^\[    ok\] ", out, flags=re.MULTILINE)) == 3
     assert "### TinyStories perplexity (tinystories[900:920], lower is better)" in out
     assert f"plots (1 PNG files) in {results / 'plots'}" in out
