@@ -276,4 +276,4 @@ def test_run_prints_the_plan_then_plain_cell_lines_then_the_table_and_plots(caps
 
 
 def test_the_default_cell_seconds_follow_the_parameter_count():
-    assert [default_cell_seconds(n) for n in (3e5, 1.1e9, 7e9, 7e10)] == [10.0, 300.0, 900.0, 1800.0]
+    assert [default_cell_seconds(n) for n in (3e5, 1.1e9, 7e9, 7e10)] == [6.0, 300.0, 900.0, 1800.0]
