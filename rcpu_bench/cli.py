@@ -10,7 +10,13 @@ from typing import Any
 from tabulate import tabulate
 
 from rcpu_bench import generation, plots, runner, speed, tables, zeroshot
-from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, default_model, run_experiment
+from rcpu_bench.experiment import (
+    DEFAULT_CALIB,
+    Experiment,
+    default_model,
+    run_experiment,
+)
+from rcpu_bench.models import add_model_options
 from rcpu_bench.pipeline import MODULES, PruneConfig
 from rcpu_bench.records import append_record
 from rcpu_bench.registry import default_registry
@@ -95,9 +101,7 @@ def _add_prune_parser(commands) -> None:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", help="local model directory or Hugging Face hub id "
                    "(default: the stories260K-mha fixture in the shared directory)")
-    p.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
-    p.add_argument("--dtype", default="float32", help="model dtype (the paper uses float32)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    add_model_options(p)
     p.add_argument("--scorer", default="variance", help="registered scorer (see `rcpu-bench plugins`)")
     p.add_argument("--scorer-param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--compensator", default="procrustes", help="registered compensator")

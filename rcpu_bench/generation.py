@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from rcpu_bench.models import resolve_device, resolve_dtype
+from rcpu_bench.models import add_model_options, resolve_device, resolve_dtype
 from rcpu_bench.zeroshot import check_model_argument, load_saved_or_model
 
 SAMPLE_PROMPT = "Once upon a time"
@@ -58,16 +58,16 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", metavar="TEXT",
                    help=f"prompt to continue (repeatable; default {SAMPLE_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--revision", help="hub revision of --model and --compare (branch, tag or commit)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="float32", help="model dtype")
+    add_model_options(p)
     p.set_defaults(func=cmd_generate)
     return p
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``rcpu-bench generate``: check the models, load them, print each prompt's continuations one under another."""
-    from rcpu_bench.experiment import default_model  # experiment imports this module for record["sample"]
+    from rcpu_bench.experiment import (
+        default_model,  # experiment imports this module for record["sample"]
+    )
 
     names = [args.model or default_model(), *([args.compare] if args.compare else [])]
     try:

@@ -17,8 +17,14 @@ import torch
 import transformers
 from packaging.version import Version
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils.hub import cached_file, extract_commit_hash
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
@@ -80,6 +86,13 @@ def dtype_argument(dtype: torch.dtype) -> dict[str, torch.dtype]:
     """
     renamed = Version(transformers.__version__).release >= (4, 56)
     return {"dtype" if renamed else "torch_dtype": dtype}
+
+
+def add_model_options(parser: Any) -> None:
+    """The ``--revision``, ``--dtype`` and ``--device`` options every command that loads a model takes."""
+    parser.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
+    parser.add_argument("--dtype", default="float32", help=f"model dtype: {', '.join(DTYPES)} (the paper uses float32)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
 
 
 def resolve_dtype(name: str) -> torch.dtype:

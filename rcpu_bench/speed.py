@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from rcpu_bench.models import add_model_options
+
 BATCH_SIZE = 1
 PROMPT_TOKENS = 128
 NEW_TOKENS = 32
@@ -98,9 +100,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--repeats", type=int, default=REPEATS)
-    p.add_argument("--revision", help="hub revision (branch, tag or commit)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="float32", help="model dtype")
+    add_model_options(p)
     p.set_defaults(func=cmd_speed)
     return p
 
@@ -109,7 +109,9 @@ def cmd_speed(args: argparse.Namespace) -> int:
     """``rcpu-bench speed``: check the models, then one line per model: parameters, prefill and decode tokens/s."""
     from tabulate import tabulate
 
-    from rcpu_bench.experiment import default_model  # experiment imports this module for record["inference"]
+    from rcpu_bench.experiment import (
+        default_model,  # experiment imports this module for record["inference"]
+    )
     from rcpu_bench.models import parameter_count, resolve_device, resolve_dtype
     from rcpu_bench.zeroshot import check_model_argument, load_saved_or_model
 

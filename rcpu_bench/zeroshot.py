@@ -59,6 +59,7 @@ from tabulate import tabulate
 from rcpu_bench.metric_maps import METRIC_MAPS, TASKS, table_metric
 from rcpu_bench.models import (
     LoadedModel,
+    add_model_options,
     load_config,
     load_model,
     model_source,
@@ -469,7 +470,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True,
                    help="hub id, Hugging Face model directory, or directory written by save_pruned / --save")
-    p.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
+    add_model_options(p)
     p.add_argument("--tasks", default=",".join(TASKS),
                    help="comma-separated lm-eval task, group or tag names (offline, the paper's seven read "
                    "the shipped local copies)")
@@ -489,8 +490,6 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                    help="metric per task in the table and the mean")
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--out", metavar="JSONL", help="append the result record to this file")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="float32", help="model dtype")
     p.set_defaults(func=cmd_eval)
     return p
 
