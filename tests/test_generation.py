@@ -3,13 +3,13 @@ MHA copy, and the ``generate`` command side by side on a pruned directory and th
 
 from __future__ import annotations
 
-import argparse
 
 import pytest
 import torch
 from tiny_models import STORIES, STORIES_MHA, needs_stories
 
-from rcpu_bench.generation import SAMPLE_PROMPT, SAMPLE_TOKENS, add_parser, greedy_continuation, text_sample
+from rcpu_bench.cli import main
+from rcpu_bench.generation import SAMPLE_PROMPT, SAMPLE_TOKENS, greedy_continuation, text_sample
 from rcpu_bench.models import load_model
 from rcpu_bench.persistence import load_pruned, save_pruned
 from rcpu_bench.pipeline import PruneConfig, prune_model
@@ -51,10 +51,7 @@ def test_bad_token_counts_are_named():
 
 
 def run_generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rcpu-bench")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["generate", *argv])
-    return args.func(args)
+    return main(["generate", *argv])
 
 
 @needs_stories

@@ -3,7 +3,6 @@ no answers shared between models, the ``eval`` command on a pruned directory, an
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
@@ -19,13 +18,14 @@ from lm_eval.tasks._yaml_loader import load_yaml
 from tiny_models import STORIES, needs_stories, or_missing
 
 from rcpu_bench import zeroshot
+from rcpu_bench.cli import main
 from rcpu_bench.models import load_model
 from rcpu_bench.paths import data_dir
 from rcpu_bench.persistence import save_pruned
 from rcpu_bench.pipeline import PruneConfig, prune_model
 from rcpu_bench.records import read_records
 from rcpu_bench.tasks import utils
-from rcpu_bench.zeroshot import METRIC_MAPS, TASKS, add_parser, builtin_yaml, evaluate_zeroshot, local_task_config
+from rcpu_bench.zeroshot import METRIC_MAPS, TASKS, builtin_yaml, evaluate_zeroshot, local_task_config
 
 
 DATA = or_missing(data_dir)
@@ -357,10 +357,7 @@ def test_a_hub_task_offline_or_failing_is_named(monkeypatch):
 
 
 def run_eval(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rcpu-bench")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["eval", *argv])
-    return args.func(args)
+    return main(["eval", *argv])
 
 
 @needs_stories
