@@ -5,7 +5,7 @@ Both paths prune the same random-init LLaMA-7B- or 13B-shaped decoder layer (o_p
 windows, batches of 8 windows), on the CPU or a CUDA device:
 
 * **ours**: one pass with ``collect_input_stats`` (float64 moments and G = Σ x xᵀ, ``--gram-precision``),
-  then for o_proj and down_proj ``rcpu_bench.pipeline.prune_module``: the registry's ``variance`` scorer
+  then for o_proj and down_proj ``rcpu_bench.pruning.pipeline.prune_module``: the registry's ``variance`` scorer
   (``activation='mean-abs'``, the official statistic), floor selection, the registry's compensator,
   surgery.
 * **official** (methods-spec §2.1, replayed independently): forward hooks store X and Y of both modules
@@ -46,11 +46,11 @@ from tabulate import tabulate
 from torch import Tensor, nn
 from transformers import LlamaForCausalLM
 
-from rcpu_bench.models import decoder_layers
-from rcpu_bench.pipeline import PruneConfig, Timer, capture_layer_inputs, prune_module, run_layer, unit_map
+from rcpu_bench.model.loading import decoder_layers
+from rcpu_bench.pruning.pipeline import PruneConfig, Timer, capture_layer_inputs, prune_module, run_layer, unit_map
 from rcpu_bench.registry import default_registry
-from rcpu_bench.stats import GRAM_PRECISIONS, collect_input_stats
-from rcpu_bench.surgery import prune_attention, prune_mlp
+from rcpu_bench.statistics.activations import GRAM_PRECISIONS, collect_input_stats
+from rcpu_bench.model.surgery import prune_attention, prune_mlp
 
 SEED = 0
 RATIO = 0.2

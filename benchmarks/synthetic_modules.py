@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rcpu_bench.selection import Selection, select_by_score
+from rcpu_bench.selection.select import Selection, select_by_score
 
 SEED = 0
 RATIO = 0.2

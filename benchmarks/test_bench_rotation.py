@@ -1,4 +1,4 @@
-"""Rotation solve time at LLaMA-7B shapes: today's SVD against ``rcpu_bench.rotation.polar`` (pytest-benchmark).
+"""Rotation solve time at LLaMA-7B shapes: today's SVD against ``rcpu_bench.compensation.rotation.polar`` (pytest-benchmark).
 
 M is 4096 × 4096 (scaled by RCPU_BENCH_SCALE): ``o_proj`` is rank-deficient like a pruned o_proj,
 M = A W_Kᵀ with W_K of 3328 = 26 of 32 heads' columns, and ``full`` has full rank. Variants: the SVD
@@ -20,7 +20,7 @@ import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 from torch import Tensor
 
-from rcpu_bench.rotation import orthogonality_error, polar, tolerance
+from rcpu_bench.compensation.rotation import orthogonality_error, polar, tolerance
 
 SCALE = float(os.environ.get("RCPU_BENCH_SCALE", "1"))
 ROUNDS = int(os.environ.get("RCPU_BENCH_ROUNDS", "1"))

@@ -1,10 +1,10 @@
 """rcpu-bench: post-training structured pruning of LLaMA-family models with error compensation."""
 
-from rcpu_bench.compensators import Compensation
+from rcpu_bench.compensation.compensators import Compensation
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.registry import Method, Registry, default_registry
-from rcpu_bench.selection import Selection, select_by_score
-from rcpu_bench.stats import ActivationStats, collect_input_stats
+from rcpu_bench.selection.select import Selection, select_by_score
+from rcpu_bench.statistics.activations import ActivationStats, collect_input_stats
 
 __version__ = "0.1.0"
 __all__ = ["ActivationStats", "Compensation", "Method", "Registry", "Selection", "collect_input_stats",

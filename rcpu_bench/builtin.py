@@ -1,6 +1,7 @@
 """The built-in methods, registered through the ``rcpu_bench`` entry point like any plugin."""
 
-from rcpu_bench import compensators, scorers
+from rcpu_bench.compensation import compensators
+from rcpu_bench.selection import scorers
 from rcpu_bench.hookspecs import hookimpl
 
 

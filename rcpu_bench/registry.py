@@ -18,8 +18,8 @@ import pluggy
 import torch
 
 from rcpu_bench import hookspecs
-from rcpu_bench.rotation import tolerance as orthogonality_tolerance
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.compensation.rotation import tolerance as orthogonality_tolerance
+from rcpu_bench.statistics.activations import ActivationStats
 
 Kind = Literal["scorer", "compensator", "model-method"]
 NEEDS = ("moments", "gram")
@@ -98,7 +98,7 @@ def _check_compensation(result: Any, weight: torch.Tensor, _stats: Any, kept: to
 
 def _check_orthogonality(info: dict[str, Any], d_out: int, weight_dtype: torch.dtype) -> str | None:
     """A reported info["orthogonality_error"] declares Q (d_out × d_out) orthogonal: it must be within
-    ``rcpu_bench.rotation.tolerance(d_out, dtype)``, dtype = info["compute_dtype"] or the weight's, unless
+    ``rcpu_bench.compensation.rotation.tolerance(d_out, dtype)``, dtype = info["compute_dtype"] or the weight's, unless
     info["orthogonality_unchecked"] states why not (an explicit opt-out, kept in the record)."""
     error = info.get("orthogonality_error")
     if error is None:

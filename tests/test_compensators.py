@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rcpu_bench import compensators as C
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.compensation import compensators as C
+from rcpu_bench.statistics.activations import ActivationStats
 
 F64 = torch.float64
 

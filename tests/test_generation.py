@@ -9,10 +9,10 @@ import torch
 from tiny_models import STORIES, STORIES_MHA, needs_stories
 
 from rcpu_bench.cli import main
-from rcpu_bench.generation import SAMPLE_PROMPT, SAMPLE_TOKENS, greedy_continuation, text_sample
-from rcpu_bench.models import load_model
-from rcpu_bench.persistence import load_pruned, save_pruned
-from rcpu_bench.pipeline import PruneConfig, prune_model
+from rcpu_bench.evaluation.generation import SAMPLE_PROMPT, SAMPLE_TOKENS, greedy_continuation, text_sample
+from rcpu_bench.model.loading import load_model
+from rcpu_bench.model.persistence import load_pruned, save_pruned
+from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 
 
 def argmax_loop(model, tokenizer, prompt: str, new_tokens: int) -> str:

@@ -1,5 +1,5 @@
 """Saved pruned models load with stock transformers / lm-eval, bit-exactly: plain Llama configs where the
-pruned shape allows one, else the package's remote code (rcpu_bench.hf_format)."""
+pruned shape allows one, else the package's remote code (rcpu_bench.model.hf_format)."""
 
 import json
 import subprocess
@@ -10,11 +10,11 @@ import torch
 from tiny_models import STORIES, STORIES_MHA, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from rcpu_bench.models import layer_geometries, load_model, parameter_count
-from rcpu_bench.persistence import CARD, MANIFEST, load_pruned, save_pruned
-from rcpu_bench.pipeline import PruneConfig, prune_model
+from rcpu_bench.model.loading import layer_geometries, load_model, parameter_count
+from rcpu_bench.model.persistence import CARD, MANIFEST, load_pruned, save_pruned
+from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 
-TASKS_DIR = str(__import__("rcpu_bench.tasks", fromlist=["_"]).__path__[0])
+TASKS_DIR = str(__import__("rcpu_bench.evaluation.tasks", fromlist=["_"]).__path__[0])
 PROMPT = "Once upon a time there was a little"
 
 

@@ -10,11 +10,11 @@ import pytest
 from tiny_matrices import tiny_raw, write_matrix
 from tiny_models import STORIES, needs_stories
 
-from rcpu_bench.matrix import (COMPENSATE_VARIANTS, SHARED, MatrixError, apply_overrides, expand, load_matrix,
+from rcpu_bench.matrix.spec import (COMPENSATE_VARIANTS, SHARED, MatrixError, apply_overrides, expand, load_matrix,
                                parse_matrix, read_matrix, shipped_matrices)
-from rcpu_bench.pipeline import MODULES
+from rcpu_bench.pruning.pipeline import MODULES
 from rcpu_bench.registry import default_registry
-from rcpu_bench.runner import preflight
+from rcpu_bench.matrix.runner import preflight
 
 REGISTRY = default_registry()
 RIDGE_LAMS = [0.01, 1.0, 100.0]

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, ViTConfig)
 
-from rcpu_bench.models import (LayerGeometry, model_source, check_architecture, config_head_dim, decoder_layers,
+from rcpu_bench.model.loading import (LayerGeometry, model_source, check_architecture, config_head_dim, decoder_layers,
                                layer_geometries, layer_geometry, load_model, parameter_count, resolve_device,
                                resolve_dtype)
 

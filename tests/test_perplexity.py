@@ -14,7 +14,7 @@ from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from rcpu_bench import data, paths
-from rcpu_bench.perplexity import PROFILES, get_profile, perplexity
+from rcpu_bench.evaluation.perplexity import PROFILES, get_profile, perplexity
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared fixtures not found (set {paths.SHARED_ENV})")
 

@@ -9,8 +9,8 @@ import torch
 from tiny_models import STORIES, STORIES_MHA, logits, needs_stories, tiny_config, tiny_model, tokens
 from transformers import LlamaForCausalLM
 
-from rcpu_bench.models import layer_geometries, parameter_count
-from rcpu_bench.pipeline import PruneConfig, prune_model
+from rcpu_bench.model.loading import layer_geometries, parameter_count
+from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import default_registry
 
 # The built-in methods (installed plugins have tests of their own).

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_tables import entry
 
-from rcpu_bench.plots import LambdaCurve, add_parser, bar_data, cmd_plots, lambda_data, ncalib_data, write_plots
+from rcpu_bench.tables.plots import LambdaCurve, add_parser, bar_data, cmd_plots, lambda_data, ncalib_data, write_plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

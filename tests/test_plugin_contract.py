@@ -10,10 +10,10 @@ import torch
 from tiny_models import logits, tiny_config, tiny_model, tokens
 
 from rcpu_bench import hookimpl, registry as registry_module
-from rcpu_bench.compensators import Problem
-from rcpu_bench.pipeline import PruneConfig, prune_model
+from rcpu_bench.compensation.compensators import Problem
+from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import PluginContractError, build_registry, plugin_manager
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.statistics.activations import ActivationStats
 
 
 class SkewPlugin:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from tiny_models import STORIES, TINYSTORIES, needs_stories
 
-from rcpu_bench.experiment import Experiment, run_experiment
-from rcpu_bench.models import load_model
-from rcpu_bench.pipeline import PruneConfig
+from rcpu_bench.matrix.experiment import Experiment, run_experiment
+from rcpu_bench.model.loading import load_model
+from rcpu_bench.pruning.pipeline import PruneConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_random_llama.py"
 _spec = importlib.util.spec_from_file_location("make_random_llama", SCRIPT)

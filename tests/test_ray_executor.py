@@ -10,8 +10,8 @@ import pytest
 from tiny_matrices import tiny_matrix
 from tiny_models import needs_stories
 
-from rcpu_bench.runner import run_matrix
-from rcpu_bench.store import Store
+from rcpu_bench.matrix.runner import run_matrix
+from rcpu_bench.matrix.store import Store
 
 ray = pytest.importorskip("ray")
 

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from rcpu_bench import compensators, scorers
+from rcpu_bench.compensation import compensators
+from rcpu_bench.selection import scorers
 from rcpu_bench.cli import main
-from rcpu_bench.compensators import Compensation
+from rcpu_bench.compensation.compensators import Compensation
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.registry import PluginContractError, build_registry, default_registry, plugin_manager
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.statistics.activations import ActivationStats
 
 F64 = torch.float64
 BUILTIN_SCORERS = ["flap-wifv", "magnitude", "variance", "wanda-sp"]

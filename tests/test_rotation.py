@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_config, tiny_model, tokens
 
-from rcpu_bench import compensators as C
-from rcpu_bench import rotation as R
-from rcpu_bench.methods import ALIASES, label_of
-from rcpu_bench.pipeline import PruneConfig, prune_model
+from rcpu_bench.compensation import compensators as C
+from rcpu_bench.compensation import rotation as R
+from rcpu_bench.pruning.methods import ALIASES, label_of
+from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import PluginContractError, default_registry
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.statistics.activations import ActivationStats
 
 F64, F32 = torch.float64, torch.float32
 EPS64 = torch.finfo(F64).eps

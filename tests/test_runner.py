@@ -17,19 +17,20 @@ import torch
 from tiny_matrices import tiny_matrix, tiny_raw, write_matrix
 from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
-from rcpu_bench import compensators, executors
-from rcpu_bench.executors import ModelCache, clone_to, make_executor, run_cell
-from rcpu_bench.experiment import run_experiment
+from rcpu_bench.compensation import compensators
+from rcpu_bench.matrix import executors
+from rcpu_bench.matrix.executors import ModelCache, clone_to, make_executor, run_cell
+from rcpu_bench.matrix.experiment import run_experiment
 from rcpu_bench.hookspecs import hookimpl
-from rcpu_bench.matrix import MatrixError, expand, load_matrix
+from rcpu_bench.matrix.spec import MatrixError, expand, load_matrix
 from rcpu_bench.registry import build_registry, default_registry, plugin_manager
-from rcpu_bench.runner import (
+from rcpu_bench.matrix.runner import (
     add_parser,
     default_cell_seconds,
     estimate_seconds,
     run_matrix,
 )
-from rcpu_bench.store import Store
+from rcpu_bench.matrix.store import Store
 
 REGISTRY = default_registry()
 TIMEOUT_S = 120
@@ -135,12 +136,12 @@ def test_a_non_finite_perplexity_fails_the_cell(monkeypatch):
 
 @pytest.fixture
 def fake_zeroshot(monkeypatch):
-    """A stand-in for rcpu_bench.zeroshot (lm-eval over seven tasks is far too slow for a test)."""
-    module = types.ModuleType("rcpu_bench.zeroshot")
+    """A stand-in for rcpu_bench.evaluation.zeroshot (lm-eval over seven tasks is far too slow for a test)."""
+    module = types.ModuleType("rcpu_bench.evaluation.zeroshot")
     module.plan_zeroshot = lambda: None
     module.evaluate_zeroshot = lambda model, tokenizer, limit: {"mean": 0.5, "limit": limit,
                                                                 "parameters": model.num_parameters()}
-    monkeypatch.setitem(sys.modules, "rcpu_bench.zeroshot", module)
+    monkeypatch.setitem(sys.modules, "rcpu_bench.evaluation.zeroshot", module)
     return module
 
 
@@ -167,7 +168,7 @@ def test_missing_zeroshot_data_is_reported_before_any_cell_runs(tmp_path, fake_z
 
 RUNNER_SCRIPT = """\
 import argparse, sys
-from rcpu_bench.runner import add_parser
+from rcpu_bench.matrix.runner import add_parser
 parser = argparse.ArgumentParser(prog="rcpu-bench")
 add_parser(parser.add_subparsers(dest="command", required=True))
 args = parser.parse_args(sys.argv[1:])

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rcpu_bench import scorers
-from rcpu_bench.selection import select_by_score
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.selection import scorers
+from rcpu_bench.selection.select import select_by_score
+from rcpu_bench.statistics.activations import ActivationStats
 
 F64 = torch.float64
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rcpu_bench.selection import Selection, n_pruned, select_by_score
+from rcpu_bench.selection.select import Selection, n_pruned, select_by_score
 
 
 def lowest_first_direct(scores: list[float], count: int) -> list[int]:

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_matrices import tiny_matrix
 
-from rcpu_bench.matrix import expand
+from rcpu_bench.matrix.spec import expand
 from rcpu_bench.registry import default_registry
-from rcpu_bench.store import FAILED, OK, Store, StoreBusyError, error_info, make_entry
+from rcpu_bench.matrix.store import FAILED, OK, Store, StoreBusyError, error_info, make_entry
 
 ENTRY_KEYS = {"cell_id", "status", "error", "cell", "record", "finished_at", "seconds"}
 CELL_KEYS = {"matrix", "model", "model_label", "method", "method_label", "ratio", "n_calib", "seqlen", "calib", "lam",

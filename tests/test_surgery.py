@@ -10,8 +10,8 @@ from tiny_models import (STORIES, STORIES_MHA, apply_plan, logits, needs_stories
                          tiny_model, tokens)
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rcpu_bench.models import LayerGeometry, layer_geometries, layer_geometry, load_model, parameter_count
-from rcpu_bench.surgery import check_head_groups, mask_attention, mask_mlp, prune_attention, prune_mlp
+from rcpu_bench.model.loading import LayerGeometry, layer_geometries, layer_geometry, load_model, parameter_count
+from rcpu_bench.model.surgery import check_head_groups, mask_attention, mask_mlp, prune_attention, prune_mlp
 
 TINY = {"mha": dict(n_heads=4, n_kv_heads=4), "gqa": dict(n_heads=6, n_kv_heads=3)}
 CASES = [("mha", "groups"), ("gqa", "groups"), ("gqa", "within")]

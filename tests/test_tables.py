@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from rcpu_bench.methods import ALIASES
-from rcpu_bench.tables import (
+from rcpu_bench.pruning.methods import ALIASES
+from rcpu_bench.tables.tables import (
     PaperNumbers,
     add_parser,
     cmd_tables,
@@ -205,7 +205,7 @@ ZEROSHOT = {"boolq": {"acc": 0.75}, "piqa": {"acc": 0.78, "acc_norm": 0.79},
     ("slicegpt", [75.0, 79.0, 76.0, 70.0, 73.0, 45.0, 34.0]),
 ])
 def test_zeroshot_table_per_model_and_ncalib(metric_map, expected):
-    nested = {"tasks": ZEROSHOT, "metric_map": "paper"}  # as rcpu_bench.zeroshot.evaluate_zeroshot returns it
+    nested = {"tasks": ZEROSHOT, "metric_map": "paper"}  # as rcpu_bench.evaluation.zeroshot.evaluate_zeroshot returns it
     entries = [entry("rcpu-rot", 0.1, 13.55, zeroshot=ZEROSHOT), entry("flap", 0.1, 14.14),  # FLAP: no zero-shot
                entry("rcpu-rot", 0.1, 13.48, n_calib=512, zeroshot=nested)]
     tables = make_tables(entries, "zeroshot", metric_map=metric_map)

@@ -17,15 +17,15 @@ from lm_eval.tasks._index import TaskIndex
 from lm_eval.tasks._yaml_loader import load_yaml
 from tiny_models import STORIES, needs_stories, or_missing
 
-from rcpu_bench import zeroshot
+from rcpu_bench.evaluation import zeroshot
 from rcpu_bench.cli import main
-from rcpu_bench.models import load_model
+from rcpu_bench.model.loading import load_model
 from rcpu_bench.paths import data_dir
-from rcpu_bench.persistence import save_pruned
-from rcpu_bench.pipeline import PruneConfig, prune_model
-from rcpu_bench.records import read_records
-from rcpu_bench.tasks import utils
-from rcpu_bench.zeroshot import METRIC_MAPS, TASKS, builtin_yaml, evaluate_zeroshot, local_task_config
+from rcpu_bench.model.persistence import save_pruned
+from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
+from rcpu_bench.matrix.records import read_records
+from rcpu_bench.evaluation.tasks import utils
+from rcpu_bench.evaluation.zeroshot import METRIC_MAPS, TASKS, builtin_yaml, evaluate_zeroshot, local_task_config
 
 
 DATA = or_missing(data_dir)
@@ -157,7 +157,7 @@ def test_mosaic_piqa_strips_whitespace_so_the_original_files_are_used():
 @needs_stories
 @needs_zeroshot_data
 def test_every_task_runs_offline_and_reports_its_statistics(stories, caplog):
-    with caplog.at_level(logging.WARNING, logger="rcpu_bench.zeroshot"):
+    with caplog.at_level(logging.WARNING, logger="rcpu_bench.evaluation.zeroshot"):
         result = evaluate_zeroshot(stories.model, stories.tokenizer, limit=6, batch_size=8, source="auto",
                                    metric_map="slicegpt")
     assert result["source"] == "local" and "HF_HUB_OFFLINE is set" in result["source_reason"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from rcpu_bench.matrix import SHARED, Matrix, parse_matrix
+from rcpu_bench.matrix.spec import SHARED, Matrix, parse_matrix
 
 QUICK_CALIB = {"source": "tinystories", "n_calib": [8], "seqlen": 64}
 QUICK_PPL = ["tinystories[900:920]"]

@@ -4,8 +4,8 @@ import torch
 from torch import Tensor
 
 from rcpu_bench import hookimpl
-from rcpu_bench.compensators import Compensation, Problem
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.compensation.compensators import Compensation, Problem
+from rcpu_bench.statistics.activations import ActivationStats
 
 
 def output_energy(weight: Tensor, stats: ActivationStats) -> Tensor:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from rcpu_bench.compensators import flap_bias, procrustes
-from rcpu_bench.matrix import parse_matrix
+from rcpu_bench.compensation.compensators import flap_bias, procrustes
+from rcpu_bench.matrix.spec import parse_matrix
 from rcpu_bench.registry import default_registry
-from rcpu_bench.runner import run_matrix
-from rcpu_bench.stats import ActivationStats
-from rcpu_bench.tables import read_store
+from rcpu_bench.matrix.runner import run_matrix
+from rcpu_bench.statistics.activations import ActivationStats
+from rcpu_bench.tables.tables import read_store
 from rcpu_example.plugin import output_energy, procrustes_bias
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from rcpu_bench.models import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, decoder_layers
+from rcpu_bench.model.loading import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, decoder_layers
 from rcpu_slicegpt.layers import LayerDims, SlicePlan
 
 _READ_ATTN = ("q_proj", "k_proj", "v_proj")

@@ -7,7 +7,7 @@ A sliced model is saved as a directory with
 - ``slicegpt_config.json``: the residual widths of every layer (``SlicePlan``), the parameter count
   and the slicing report;
 - ``rcpu_manifest.json``: ``{"format": "rcpu-slicegpt", "model_method": "slicegpt"}``, which lets
-  ``rcpu_bench.persistence.load_saved`` (and ``rcpu-bench eval``) find this plugin's loader;
+  ``rcpu_bench.model.persistence.load_saved`` (and ``rcpu-bench eval``) find this plugin's loader;
 - the tokenizer files, when a tokenizer is given.
 
 ``load_sliced`` builds the dense model from ``config.json`` without weights (meta device), gives it the
@@ -27,9 +27,9 @@ from safetensors.torch import save_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from rcpu_bench.models import LoadedModel, dtype_argument, parameter_count, resolve_dtype
-from rcpu_bench.persistence import MANIFEST, materialize, write_atomically
-from rcpu_bench.records import library_versions
+from rcpu_bench.model.loading import LoadedModel, dtype_argument, parameter_count, resolve_dtype
+from rcpu_bench.model.persistence import MANIFEST, materialize, write_atomically
+from rcpu_bench.matrix.records import library_versions
 from rcpu_slicegpt.layers import RMSN, LayerDims, SlicedDecoderLayer, SlicePlan, set_weight
 from rcpu_slicegpt.slicing import check_supported
 
@@ -51,7 +51,7 @@ def save_sliced(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
                 report: dict | None = None, overwrite: bool = False) -> dict:
     """Save a sliced model to ``directory`` and return its slicing config (a JSON-able ``report`` is kept in it).
 
-    Written atomically by ``rcpu_bench.persistence.write_atomically``: an interrupted save leaves nothing,
+    Written atomically by ``rcpu_bench.model.persistence.write_atomically``: an interrupted save leaves nothing,
     and an existing ``directory`` raises FileExistsError unless ``overwrite`` (which replaces it whole).
     """
     plan = slice_plan(model)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rcpu_bench.models import check_architecture, decoder_layers, parameter_count
-from rcpu_bench.pipeline import LayerInput, capture_layer_inputs
+from rcpu_bench.model.loading import check_architecture, decoder_layers, parameter_count
+from rcpu_bench.pruning.pipeline import LayerInput, capture_layer_inputs
 from rcpu_slicegpt.accounting import sliced_parameter_count
 from rcpu_slicegpt.layers import RMSN, LayerDims, SlicedDecoderLayer, SlicePlan, set_weight
 

@@ -10,7 +10,7 @@ import torch
 from transformers.models.llama import modeling_llama
 
 from rcpu_bench import data
-from rcpu_bench.models import load_model
+from rcpu_bench.model.loading import load_model
 from rcpu_bench.paths import shared_dir
 
 from slicegpt_helpers import STORIES

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rcpu_bench.models import parameter_count
+from rcpu_bench.model.loading import parameter_count
 from rcpu_slicegpt import SlicePlan, slice_model, sliced_parameter_count
 from rcpu_slicegpt.slicing import dim_for_parameters, sliced_dim
 

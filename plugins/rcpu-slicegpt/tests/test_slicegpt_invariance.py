@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rcpu_bench.perplexity import perplexity
+from rcpu_bench.evaluation.perplexity import perplexity
 from rcpu_slicegpt import SlicedDecoderLayer, fuse_and_rotate
 
 from slicegpt_helpers import STORIES, copy_of, random_ids, tiny_llama

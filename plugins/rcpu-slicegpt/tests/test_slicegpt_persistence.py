@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from rcpu_bench.models import parameter_count
+from rcpu_bench.model.loading import parameter_count
 from rcpu_slicegpt import load_sliced, save_sliced, slice_model
 from rcpu_slicegpt.persistence import SLICING_CONFIG
 

@@ -5,7 +5,7 @@ import importlib.metadata
 import pytest
 from packaging.requirements import Requirement
 
-from rcpu_bench.models import parameter_count
+from rcpu_bench.model.loading import parameter_count
 from rcpu_bench.registry import default_registry
 from rcpu_slicegpt import reference
 

@@ -21,9 +21,10 @@ from tabulate import tabulate
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from rcpu_bench import plots, tables
-from rcpu_bench.executors import EXECUTORS, make_executor
-from rcpu_bench.matrix import (
+from rcpu_bench.tables import plots
+from rcpu_bench.tables import tables
+from rcpu_bench.matrix.executors import EXECUTORS, make_executor
+from rcpu_bench.matrix.spec import (
     Cell,
     Matrix,
     MatrixError,
@@ -32,10 +33,10 @@ from rcpu_bench.matrix import (
     load_matrix,
     shipped_matrices,
 )
-from rcpu_bench.models import load_config
-from rcpu_bench.pipeline import PruneConfig
+from rcpu_bench.model.loading import load_config
+from rcpu_bench.pruning.pipeline import PruneConfig
 from rcpu_bench.registry import Registry, default_registry
-from rcpu_bench.store import (
+from rcpu_bench.matrix.store import (
     FAILED,
     OK,
     RECORDS,
@@ -69,7 +70,7 @@ def preflight(cells: list[Cell], registry: Registry) -> None:
             where = f"cell {cell.id} ({cell.describe()}, model {cell.model})"
             raise MatrixError(f"{where}: {error_message(error)}") from None
     if any("zeroshot" in cell.eval for cell in cells):
-        from rcpu_bench.zeroshot import (
+        from rcpu_bench.evaluation.zeroshot import (
             plan_zeroshot,  # lm-eval: imported only when asked for
         )
 

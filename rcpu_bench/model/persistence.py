@@ -7,7 +7,7 @@ A pruned model is saved as a directory with
   head and channel counts, no bias beyond the original config's, and a head count dividing the hidden
   size (transformers 5 rejects a LlamaConfig otherwise): then ``AutoModelForCausalLM.from_pretrained``
   loads it as it is. Otherwise an ``RcpuLlamaConfig`` with per-layer widths and biases, whose
-  ``auto_map`` names the configuration and modeling source written beside it (``rcpu_bench.hf_format``,
+  ``auto_map`` names the configuration and modeling source written beside it (``rcpu_bench.model.hf_format``,
   which explains why remote code and not transformers' own per-layer configuration), so that
   ``from_pretrained(directory, trust_remote_code=True)`` loads it. A non-Llama model (Mistral, Qwen2, ...)
   keeps its original config and loads through ``load_pruned`` only (the manifest says ``"config":
@@ -40,11 +40,11 @@ from torch import Tensor, nn
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
                           PreTrainedModel)
 
-from rcpu_bench.hf_format import AUTO_MAP, PER_LAYER, RcpuLlamaConfig, RcpuLlamaForCausalLM, write_source
-from rcpu_bench.models import (LoadedModel, config_head_dim, decoder_layers, dtype_argument, head_counts,
+from rcpu_bench.model.hf_format import AUTO_MAP, PER_LAYER, RcpuLlamaConfig, RcpuLlamaForCausalLM, write_source
+from rcpu_bench.model.loading import (LoadedModel, config_head_dim, decoder_layers, dtype_argument, head_counts,
                                layer_geometries, parameter_count, resolve_device, resolve_dtype)
-from rcpu_bench.records import library_versions
-from rcpu_bench.surgery import prune_attention, prune_mlp
+from rcpu_bench.matrix.records import library_versions
+from rcpu_bench.model.surgery import prune_attention, prune_mlp
 
 FORMAT = "rcpu-bench-pruned"
 FORMAT_VERSION = 2
@@ -111,7 +111,7 @@ def model_card(manifest: dict, record: dict | None = None) -> str:
     loading = {"llama": "`AutoModelForCausalLM.from_pretrained(directory)` (a plain Llama config)",
                "rcpu_llama": "`AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)`: the "
                              "layers have their own widths, built by `modeling_rcpu_llama.py` in this directory",
-               "original": "`rcpu_bench.persistence.load_pruned(directory)` only (not a Llama config)"}
+               "original": "`rcpu_bench.model.persistence.load_pruned(directory)` only (not a Llama config)"}
     lines = ["# Pruned model (rcpu-bench)", "", f"Pruned from `{source}` by rcpu-bench.", "",
              "| | |", "|---|---|"]
     named = [("model method", "model_method"), ("scorer", "scorer"), ("compensator", "compensator"),
@@ -130,7 +130,7 @@ def model_card(manifest: dict, record: dict | None = None) -> str:
     else:
         lines.append("Not recorded (saved without an experiment record).")
     lines += ["", "## Loading", "", (f"Load with {loading[manifest['config']]}, or with "
-                                      "`rcpu_bench.persistence.load_pruned(directory)`. Per-layer shapes and "
+                                      "`rcpu_bench.model.persistence.load_pruned(directory)`. Per-layer shapes and "
                                       f"provenance: `{MANIFEST}`."), ""]
     return "\n".join(lines)
 
@@ -220,7 +220,7 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {directory} was not written by save_pruned "
-                                "(load an unpruned checkpoint with rcpu_bench.models.load_model)")
+                                "(load an unpruned checkpoint with rcpu_bench.model.loading.load_model)")
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT or manifest.get("format_version") not in SUPPORTED_VERSIONS:
         raise ValueError(f"{path} has format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "

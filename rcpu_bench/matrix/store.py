@@ -32,8 +32,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from rcpu_bench.matrix import Cell, load_matrix
-from rcpu_bench.records import STORE_FILE, append_record, read_records
+from rcpu_bench.matrix.spec import Cell, load_matrix
+from rcpu_bench.matrix.records import STORE_FILE, append_record, read_records
 
 RECORDS = STORE_FILE
 OK, FAILED = "ok", "failed"

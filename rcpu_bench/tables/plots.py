@@ -3,7 +3,7 @@
 Three kinds, one file per model each: perplexity vs pruning ratio per compensation method (grouped bars, one
 panel per N_calib × scorer, as the paper's bar figure), perplexity vs the ridge λ (log axis, λ_best marked),
 and perplexity vs N_calib per method and ratio. The ``*_data`` functions compute what is drawn from the store
-entries alone (the same cell choice as the tables, :func:`rcpu_bench.tables.resolve`), separately from drawing.
+entries alone (the same cell choice as the tables, :func:`rcpu_bench.tables.tables.resolve`), separately from drawing.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from rcpu_bench.store import add_results_options, results_dir_of
-from rcpu_bench.tables import (
+from rcpu_bench.matrix.store import add_results_options, results_dir_of
+from rcpu_bench.tables.tables import (
     PAPER_PROFILE,
     cell_grid,
     check_profile,

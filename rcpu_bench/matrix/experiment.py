@@ -9,15 +9,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rcpu_bench import data, perplexity
-from rcpu_bench.generation import text_sample
-from rcpu_bench.models import LoadedModel, load_config, load_model, parameter_count, resolve_device, resolve_dtype
+from rcpu_bench import data
+from rcpu_bench.evaluation import perplexity
+from rcpu_bench.evaluation.generation import text_sample
+from rcpu_bench.model.loading import LoadedModel, load_config, load_model, parameter_count, resolve_device, resolve_dtype
 from rcpu_bench.paths import shared_dir
-from rcpu_bench.persistence import save_pruned
-from rcpu_bench.pipeline import PruneConfig, prune_model
-from rcpu_bench.records import environment, library_versions
+from rcpu_bench.model.persistence import save_pruned
+from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
+from rcpu_bench.matrix.records import environment, library_versions
 from rcpu_bench.registry import Registry, default_registry
-from rcpu_bench.speed import inference_speed
+from rcpu_bench.evaluation.speed import inference_speed
 
 DEFAULT_MODEL = "stories260K-mha"  # resolved in the shared fixtures directory
 DEFAULT_CALIB = "tinystories:128x128"
@@ -109,7 +110,7 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         "layers": [{k: v for k, v in layer.items() if k != "seconds"} for layer in report.layers],
         "peak_memory_bytes": report.peak_memory_bytes,
     }
-    # Inference speed beside the size, and greedy text to read before / after pruning (rcpu_bench.speed, .generation).
+    # Inference speed beside the size, and greedy text to read before / after pruning (rcpu_bench.evaluation.speed, .generation).
     record["inference"] = inference_speed(model)
     record["sample"] = text_sample(model, tokenizer)
     if report.method_report is not None:

@@ -22,8 +22,8 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
-from rcpu_bench.hf_format.configuration_rcpu_llama import PER_LAYER, RcpuLlamaConfig
-from rcpu_bench.hf_format.modeling_rcpu_llama import RcpuLlamaForCausalLM
+from rcpu_bench.model.hf_format.configuration_rcpu_llama import PER_LAYER, RcpuLlamaConfig
+from rcpu_bench.model.hf_format.modeling_rcpu_llama import RcpuLlamaForCausalLM
 
 SOURCE_FILES = ("configuration_rcpu_llama.py", "modeling_rcpu_llama.py")
 AUTO_MAP = {"AutoConfig": "configuration_rcpu_llama.RcpuLlamaConfig",

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from rcpu_bench.models import add_model_options, resolve_device, resolve_dtype
-from rcpu_bench.zeroshot import check_model_argument, load_saved_or_model
+from rcpu_bench.model.loading import add_model_options, resolve_device, resolve_dtype
+from rcpu_bench.evaluation.zeroshot import check_model_argument, load_saved_or_model
 
 SAMPLE_PROMPT = "Once upon a time"
 SAMPLE_TOKENS = 24
@@ -65,7 +65,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``rcpu-bench generate``: check the models, load them, print each prompt's continuations one under another."""
-    from rcpu_bench.experiment import (
+    from rcpu_bench.matrix.experiment import (
         default_model,  # experiment imports this module for record["sample"]
     )
 

@@ -19,8 +19,8 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from rcpu_bench.rotation import Rotation, polar
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.compensation.rotation import Rotation, polar
+from rcpu_bench.statistics.activations import ActivationStats
 
 # The paper's λ grid: 10^-6 … 10^6, 13 values.
 LAMBDA_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-6, 7))
@@ -171,7 +171,7 @@ def rotation(problem: Problem, dtype: torch.dtype, solver: str) -> Rotation:
     """Orthogonal Procrustes Q* = argmax_{QᵀQ=I} tr(QᵀM), M = Y Zᵀ = W G[:,K] W_Kᵀ (paper eq. procrustes_sol).
 
     M is formed in the compute dtype from W G[:,K] and W_K cast to it (as the official code forms Y Aᵀ in
-    float32); ``rcpu_bench.rotation.polar`` documents the solvers and the choice of Q when M is rank-deficient.
+    float32); ``rcpu_bench.compensation.rotation.polar`` documents the solvers and the choice of Q when M is rank-deficient.
     Q may be a reflection (det −1), as in the paper. Only ``solver='official'`` takes ``dtype='float32'``
     alone: it reproduces the official float32 numerics.
     """

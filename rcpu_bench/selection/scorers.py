@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rcpu_bench.stats import ActivationStats
+from rcpu_bench.statistics.activations import ActivationStats
 
 WandaVariant = Literal["flap", "rcpu-code", "paper"]
 ActivationStat = Literal["l2", "mean-abs"]

@@ -22,13 +22,13 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from rcpu_bench.methods import MODULES
-from rcpu_bench.models import decoder_layers, layer_geometry
+from rcpu_bench.pruning.methods import MODULES
+from rcpu_bench.model.loading import decoder_layers, layer_geometry
 from rcpu_bench.registry import Registry, default_registry
-from rcpu_bench.scorers import unit_scores
-from rcpu_bench.selection import Rounding, Selection, n_pruned, select_by_score, select_within_groups
-from rcpu_bench.stats import ActivationStats, GramPrecision, check_gram_precision, collect_input_stats
-from rcpu_bench.surgery import prune_attention, prune_mlp
+from rcpu_bench.selection.scorers import unit_scores
+from rcpu_bench.selection.select import Rounding, Selection, n_pruned, select_by_score, select_within_groups
+from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, check_gram_precision, collect_input_stats
+from rcpu_bench.model.surgery import prune_attention, prune_mlp
 
 _PROJ = {"attention": "o_proj", "mlp": "down_proj"}
 

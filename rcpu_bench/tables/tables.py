@@ -24,12 +24,12 @@ from typing import Any, Literal
 
 from tabulate import tabulate
 
-from rcpu_bench.methods import ALIASES, MODULES, label_of
-from rcpu_bench.metric_maps import METRIC_MAPS
+from rcpu_bench.pruning.methods import ALIASES, MODULES, label_of
+from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
 from rcpu_bench.paths import shared_dir
-from rcpu_bench.perplexity import get_profile
-from rcpu_bench.records import STORE_FILE, read_records
-from rcpu_bench.store import add_results_options, results_dir_of
+from rcpu_bench.evaluation.perplexity import get_profile
+from rcpu_bench.matrix.records import STORE_FILE, read_records
+from rcpu_bench.matrix.store import add_results_options, results_dir_of
 
 PAPER_CSV = Path("reference") / "rcpu_paper_tables.csv"
 PAPER_PROFILE = "rcpu128"  # the paper's WikiText-2 perplexities use the seqlen-128 protocol
@@ -67,7 +67,7 @@ class StoreEntries:
 
 
 def read_store(results_dir: str | Path) -> StoreEntries:
-    """Read ``<results_dir>/records.jsonl`` (rcpu_bench.store's format). A torn last line (a killed writer) is
+    """Read ``<results_dir>/records.jsonl`` (rcpu_bench.matrix.store's format). A torn last line (a killed writer) is
     skipped, and a cell with several entries (a failure, then a retry) counts by its newest one."""
     path = Path(results_dir) / STORE_FILE
     if not path.is_file():
@@ -112,7 +112,7 @@ class Resolved:
     lam: float | None
 
 
-# Not what a cell computes (as for rcpu_bench.matrix cell ids), nor what it was asked to evaluate.
+# Not what a cell computes (as for rcpu_bench.matrix.spec cell ids), nor what it was asked to evaluate.
 _NOT_EXPERIMENT = ("matrix", "model_label", "method", "method_label", "device", "ppl_profiles", "eval")
 _LAMBDA = ("lam", "prune.compensator_params.lam")
 
@@ -247,7 +247,7 @@ PPL = Metric("wikitext2_ppl", "", "lower")
 TASK_HEADERS = {"boolq": "BoolQ", "piqa": "PIQA", "hellaswag": "Hella", "winogrande": "Wino", "arc_easy": "ARC-e",
                 "arc_challenge": "ARC-c", "openbookqa": "OBQA"}
 MEAN = Metric("mean", "Mean", "higher")
-PRUNE_PHASES = ("statistics", "score", "solve", "forward")  # rcpu_bench.pipeline's per-layer timings
+PRUNE_PHASES = ("statistics", "score", "solve", "forward")  # rcpu_bench.pruning.pipeline's per-layer timings
 EFFICIENCY = (Metric("params", "Params", "lower", decimals=0, style="si"),
               Metric("memory_mib", "Peak memory (MiB)", "lower", decimals=0, style="grouped"),
               Metric("seconds_per_layer", "Seconds per layer", "lower"),
@@ -274,7 +274,7 @@ def accuracy_of(task: str, metric: str) -> Extract:
 
 def task_scores(record: dict[str, Any]) -> dict[str, dict[str, float]]:
     """A record's zero-shot scores, ``{task: {acc, acc_norm, ...}}`` (fractions), also when nested under ``tasks``
-    as ``rcpu_bench.zeroshot.evaluate_zeroshot`` returns them; empty when the run had no zero-shot evaluation."""
+    as ``rcpu_bench.evaluation.zeroshot.evaluate_zeroshot`` returns them; empty when the run had no zero-shot evaluation."""
     result = record.get("zeroshot") or {}
     return result.get("tasks", result)
 
@@ -310,7 +310,7 @@ def _phase_per_layer(phase: str) -> Extract:
 
 
 def _device_name(record: dict[str, Any]) -> str:
-    """The GPU or CPU model the run was measured on (records before rcpu_bench.records.environment: the device)."""
+    """The GPU or CPU model the run was measured on (records before rcpu_bench.matrix.records.environment: the device)."""
     return record.get("environment", {}).get("device_name") or record["experiment"].get("device")
 
 

@@ -1,6 +1,6 @@
 """Configuration of a Llama model whose decoder layers have their own widths (a pruned Llama).
 
-Written by rcpu-bench (``rcpu_bench.hf_format``) beside the weights of a saved pruned model and named in
+Written by rcpu-bench (``rcpu_bench.model.hf_format``) beside the weights of a saved pruned model and named in
 its config.json's ``auto_map``, so that ``AutoModelForCausalLM.from_pretrained(directory,
 trust_remote_code=True)`` loads it without rcpu-bench installed. It needs only transformers.
 """

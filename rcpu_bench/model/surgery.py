@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from rcpu_bench.models import head_counts
-from rcpu_bench.selection import Selection
+from rcpu_bench.model.loading import head_counts
+from rcpu_bench.selection.select import Selection
 
 
 def _selection(name: str, kept: Tensor, n_units: int) -> Selection:

@@ -22,11 +22,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from rcpu_bench.experiment import run_experiment
-from rcpu_bench.matrix import Cell
-from rcpu_bench.models import LoadedModel, load_model
+from rcpu_bench.matrix.experiment import run_experiment
+from rcpu_bench.matrix.spec import Cell
+from rcpu_bench.model.loading import LoadedModel, load_model
 from rcpu_bench.registry import Registry
-from rcpu_bench.store import error_info, make_entry
+from rcpu_bench.matrix.store import error_info, make_entry
 
 EXECUTORS = ("local", "ray")
 RAY_OBJECT_STORE_BYTES = 256 * 2**20  # entries are small; Ray would reserve ~30 % of RAM by default
@@ -92,7 +92,7 @@ def evaluations(cell: Cell) -> Callable[[Any, Any], dict[str, Any]] | None:
     """What the cell evaluates beyond perplexity: zero-shot accuracy (``record["zeroshot"]``) when asked for."""
     if "zeroshot" not in cell.eval:
         return None
-    from rcpu_bench.zeroshot import evaluate_zeroshot  # lm-eval: imported only when asked for
+    from rcpu_bench.evaluation.zeroshot import evaluate_zeroshot  # lm-eval: imported only when asked for
 
     return lambda model, tokenizer: {"zeroshot": evaluate_zeroshot(model, tokenizer, limit=cell.zeroshot_limit)}
 

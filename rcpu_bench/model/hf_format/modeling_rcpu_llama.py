@@ -1,6 +1,6 @@
 """A Llama causal LM whose decoder layers are built at their own widths (a pruned Llama).
 
-Written by rcpu-bench (``rcpu_bench.hf_format``) beside the weights of a saved pruned model; see
+Written by rcpu-bench (``rcpu_bench.model.hf_format``) beside the weights of a saved pruned model; see
 ``configuration_rcpu_llama.py``. Each layer is transformers' own ``LlamaDecoderLayer``, built from a
 copy of the config holding that layer's head and channel counts, so the forward pass is exactly
 Llama's; o_proj / down_proj get a bias where the configuration says so (FLAP's bias compensation),

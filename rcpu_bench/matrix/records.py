@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-STORE_FILE = "records.jsonl"  # a results directory's store (rcpu_bench.store)
+STORE_FILE = "records.jsonl"  # a results directory's store (rcpu_bench.matrix.store)
 _LIBRARIES = ("rcpu-bench", "torch", "transformers", "datasets", "lm_eval", "pluggy")
 NOT_AVAILABLE = "n/a"
 UNKNOWN = "unknown"
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
 
 def library_versions() -> dict[str, str]:

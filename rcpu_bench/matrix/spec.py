@@ -9,7 +9,7 @@ model (ratio 0) when ``include_dense`` is set. The keys (shipped matrices live i
     models:                         # a local directory or a hub id; ${shared} is the shared fixtures dir
       - {model: ${shared}/models/stories260K-mha, label: stories260K-mha, revision: null}
     methods:
-      - rcpu-rot                    # an alias of rcpu_bench.methods (the paper's names), except original
+      - rcpu-rot                    # an alias of rcpu_bench.pruning.methods (the paper's names), except original
       - name: my-ridge              # a custom method: a name and PruneConfig fields (ratio comes from ratios)
         scorer: wanda-sp
         compensator: ridge
@@ -49,13 +49,14 @@ from typing import Any
 
 import yaml
 
-from rcpu_bench import data, perplexity
-from rcpu_bench.compensators import LAMBDA_GRID
-from rcpu_bench.experiment import DEFAULT_CALIB, Experiment
-from rcpu_bench.methods import ALIASES, get_alias, label_of
-from rcpu_bench.models import resolve_device, resolve_dtype
+from rcpu_bench import data
+from rcpu_bench.evaluation import perplexity
+from rcpu_bench.compensation.compensators import LAMBDA_GRID
+from rcpu_bench.matrix.experiment import DEFAULT_CALIB, Experiment
+from rcpu_bench.pruning.methods import ALIASES, get_alias, label_of
+from rcpu_bench.model.loading import resolve_device, resolve_dtype
 from rcpu_bench.paths import shared_dir
-from rcpu_bench.pipeline import MODULES, PruneConfig
+from rcpu_bench.pruning.pipeline import MODULES, PruneConfig
 from rcpu_bench.registry import Registry
 
 SHARED = "${shared}"

@@ -4,7 +4,7 @@ The model is wrapped in lm-eval's ``HFLM`` as it is (no save and reload) and eva
 ``lm_eval.simple_evaluate`` (0-shot unless ``num_fewshot`` says otherwise). The paper's tasks (BoolQ,
 PIQA, HellaSwag, WinoGrande, ARC-Easy, ARC-Challenge, OpenBookQA) have two data sources:
 
-- ``local``: the task configs ``rcpu_<task>`` shipped in ``rcpu_bench/tasks``, which copy the
+- ``local``: the task configs ``rcpu_<task>`` shipped in ``rcpu_bench/evaluation/tasks``, which copy the
   built-in task's prompt fields, choices, metrics and version and read the shared zero-shot files
   (``<data>/zeroshot``), converted back to the built-in's document fields;
 - ``hub``: lm-eval's built-in task configs, which download their datasets from the Hugging Face hub.
@@ -56,8 +56,8 @@ from urllib.parse import urlparse
 from huggingface_hub import constants
 from tabulate import tabulate
 
-from rcpu_bench.metric_maps import METRIC_MAPS, TASKS, table_metric
-from rcpu_bench.models import (
+from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS, table_metric
+from rcpu_bench.model.loading import (
     LoadedModel,
     add_model_options,
     load_config,
@@ -68,8 +68,8 @@ from rcpu_bench.models import (
     resolve_dtype,
 )
 from rcpu_bench.paths import data_dir as default_data_dir
-from rcpu_bench.persistence import MANIFEST, load_saved, read_manifest
-from rcpu_bench.records import append_record, library_versions
+from rcpu_bench.model.persistence import MANIFEST, load_saved, read_manifest
+from rcpu_bench.matrix.records import append_record, library_versions
 
 logger = logging.getLogger(__name__)
 
