@@ -1,12 +1,12 @@
-"""The built-in methods, registered through the ``rcpu_bench`` entry point like any plugin."""
+"""The built-in methods: a plugin like any other, registered in code by ``registry.plugin_manager``."""
 
 from rcpu_bench.compensation import compensators
+from rcpu_bench.hookspecs import Register, hookimpl
 from rcpu_bench.selection import scorers
-from rcpu_bench.hookspecs import hookimpl
 
 
 @hookimpl
-def register_scorers(register):
+def register_scorers(register: Register) -> None:
     register("magnitude", scorers.magnitude)
     register("wanda-sp", scorers.wanda_sp)
     register("variance", scorers.variance)
@@ -14,7 +14,7 @@ def register_scorers(register):
 
 
 @hookimpl
-def register_compensators(register):
+def register_compensators(register: Register) -> None:
     register("none", compensators.none)
     register("flap-bias", compensators.flap_bias)
     register("ridge", compensators.ridge, needs="gram")

@@ -1,35 +1,134 @@
-"""Hook specifications: the contract between rcpu-bench and its plugins (built-in or third-party).
+"""Hook specifications and typed contracts between rcpu-bench and its plugins (built-in or third-party).
 
-A plugin is a module or object with ``@hookimpl`` functions, exposed through the ``rcpu_bench``
-entry-point group. Each hook receives a ``register`` callable::
+A plugin is a module or object with ``@hookimpl`` functions: the built-ins (``rcpu_bench.builtin``) are
+registered in code, third-party plugins through the ``rcpu_bench`` entry-point group. Each hook receives
+a ``register`` callable bound to its plugin (``Register`` below). What a plugin hands over is a
+``Scorer``, a ``Compensator`` or a ``ModelMethod``; what the harness looks up is the matching entry
+(``ScorerEntry``, ``CompensatorEntry``, ``ModelMethodEntry``), which checks parameters and results.
 
-    register(name, fn, *, needs="moments", description=None)
-
-``fn`` is called as ``fn(weight, stats, **params)`` for scorers (returning d_in column scores) and
-``fn(weight, stats, kept, pruned, **params)`` for compensators (returning a ``Compensation``).
-``fn(model, calib_ids, *, ratio, **params)`` for whole-model methods (transforming the model in place
-and returning a report dict). Keyword-only arguments with defaults are the method's parameters. ``needs`` declares the cheapest
-statistic the method requires: "moments" (Σx, Σ|x|, Σx²) or "gram" (also G = Σ x xᵀ).
+Keyword-only arguments with defaults are a method's parameters. ``needs`` declares the cheapest
+statistic the method reads: "moments" (N, Σx, Σ|x|, Σx²) or "gram" (also G = Σ x xᵀ).
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
 import pluggy
+
+if TYPE_CHECKING:
+    from torch import Tensor, dtype, nn
+
+    from rcpu_bench.compensation.compensators import Compensation
+    from rcpu_bench.statistics.activations import ActivationStats
 
 hookspec = pluggy.HookspecMarker("rcpu_bench")
 hookimpl = pluggy.HookimplMarker("rcpu_bench")
 
+Kind = Literal["scorer", "compensator", "model-method"]
+Needs = Literal["moments", "gram"]
+NEEDS: tuple[Needs, ...] = ("moments", "gram")
+
+
+# --- what a plugin provides ------------------------------------------------------------------------
+
+class Scorer(Protocol):
+    """Column scores s (d_in,) of a module's weight W (d_out × d_in) from its input statistics; higher = keep."""
+
+    def __call__(self, weight: Tensor, stats: ActivationStats, /) -> Tensor: ...
+
+
+class Compensator(Protocol):
+    """New weight W̃_K (d_out × |K|) and optional bias for the kept columns K, after dropping the pruned ones."""
+
+    def __call__(self, weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, /) -> Compensation: ...
+
+
+class ModelMethod(Protocol):
+    """Prunes a whole Hugging Face model in place from calibration token windows; returns a report dict."""
+
+    def __call__(self, model: nn.Module, calib_ids: Tensor, /, *, ratio: float) -> dict[str, Any]: ...
+
+
+class SaveModel(Protocol):
+    """Writes a model pruned by a model method, with an ``rcpu_manifest.json`` naming the method."""
+
+    def __call__(self, model: nn.Module, directory: Path, /, *, tokenizer: Any, report: dict[str, Any]) -> None: ...
+
+
+class LoadModel(Protocol):
+    """Reads back what the matching ``SaveModel`` wrote (returns a ``LoadedModel``)."""
+
+    def __call__(self, directory: Path, /, *, dtype: dtype | str, device: Any) -> Any: ...
+
+
+class Register(Protocol):
+    """The ``register`` callable each hook receives, bound to the calling plugin."""
+
+    def __call__(self, name: str, fn: Scorer | Compensator | ModelMethod, *, needs: Needs = "moments",
+                 description: str | None = None, save: SaveModel | None = None,
+                 load: LoadModel | None = None) -> None: ...
+
+
+# --- what the harness looks up (registry entries) --------------------------------------------------
+
+class Entry(Protocol):
+    """A registered method: who provides it, what it reads, its parameters and their defaults."""
+
+    @property
+    def kind(self) -> Kind: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def provider(self) -> str: ...
+    @property
+    def needs(self) -> Needs: ...
+    @property
+    def description(self) -> str: ...
+    @property
+    def params(self) -> Mapping[str, Any]: ...
+
+    def check_params(self, params: Mapping[str, Any]) -> None:
+        """Raise ValueError naming unknown parameters and the allowed ones."""
+
+    def validate(self, params: Mapping[str, Any]) -> None:
+        """Check parameter names, then values by a trial run that builds only the declared statistics."""
+
+
+class ScorerEntry(Entry, Protocol):
+    def __call__(self, weight: Tensor, stats: ActivationStats, /, **params: Any) -> Tensor: ...
+
+
+class CompensatorEntry(Entry, Protocol):
+    def __call__(self, weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, /,
+                 **params: Any) -> Compensation: ...
+
+
+class ModelMethodEntry(Entry, Protocol):
+    @property
+    def save(self) -> SaveModel | None: ...
+    @property
+    def load(self) -> LoadModel | None: ...
+
+    def __call__(self, model: nn.Module, calib_ids: Tensor, /, *, ratio: float, **params: Any) -> dict[str, Any]: ...
+
+
+# --- the hooks -------------------------------------------------------------------------------------
 
 @hookspec
-def register_scorers(register):
+def register_scorers(register: Register) -> None:
     """Register column scorers: ``register("name", fn, needs=..., description=...)``."""
 
 
 @hookspec
-def register_compensators(register):
+def register_compensators(register: Register) -> None:
     """Register compensators: ``register("name", fn, needs=..., description=...)``."""
 
 
 @hookspec
-def register_model_methods(register):
+def register_model_methods(register: Register) -> None:
     """Register whole-model methods (e.g. SliceGPT): ``register("name", fn, save=..., load=...)``.
 
     A model method changes the model's structure beyond what ``save_pruned`` describes, so it brings its

@@ -1,71 +1,102 @@
-"""The method registry: every scorer and compensator, built-in or third-party, found through pluggy.
+"""The method registry: every scorer, compensator and whole-model method, built-in or third-party.
 
-Plugins are loaded from the ``rcpu_bench`` entry-point group (the built-ins included), and each
-hook implementation is called with a ``register`` bound to its provider, so duplicate names can be
-reported with both providers.
+The built-ins (``rcpu_bench.builtin``) are registered in code; third-party plugins come from the
+``rcpu_bench`` entry-point group. Each plugin's hooks are called with a ``register`` bound to it, and a
+plugin is admitted whole or not at all: if a hook raises, a name clashes with an earlier plugin's, or a
+method fails its trial run, the plugin is recorded in ``Registry.broken`` with the reason and its names
+answer with that reason; the built-ins and every other plugin keep working. ``Registry.resolve`` looks
+a run's names up once, before any layer is touched.
 """
 
 from __future__ import annotations
 
 import inspect
-from importlib import metadata
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Literal
+from importlib import metadata
+from types import MappingProxyType
+from typing import Any
 
 import pluggy
 import torch
 
-from rcpu_bench import hookspecs
+from rcpu_bench import builtin, hookspecs
 from rcpu_bench.compensation.rotation import tolerance as orthogonality_tolerance
+from rcpu_bench.hookspecs import NEEDS, CompensatorEntry, Kind, ModelMethodEntry, Needs, ScorerEntry
 from rcpu_bench.statistics.activations import ActivationStats
 
-Kind = Literal["scorer", "compensator", "model-method"]
-NEEDS = ("moments", "gram")
+KINDS: tuple[Kind, ...] = ("scorer", "compensator", "model-method")
 _HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "compensator": "register_compensators",
                            "model-method": "register_model_methods"}
 
 
 class PluginContractError(RuntimeError):
-    """A plugin's method returned something that breaks the harness's contract."""
+    """A plugin's method returned something, or read something, that breaks the harness's contract."""
+
+
+class UnknownMethodError(KeyError, ValueError):
+    """A name that is not registered (or whose plugin is broken); the message lists what exists."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 @dataclass(frozen=True)
 class Method:
-    """A registered scorer or compensator with its one-line description and parameters."""
+    """A registered method with its provider, declared statistics, description and parameters (with defaults).
+
+    Satisfies ``hookspecs.ScorerEntry``, ``CompensatorEntry`` or ``ModelMethodEntry`` according to ``kind``.
+    """
 
     kind: Kind
     name: str
     fn: Callable[..., Any]
     provider: str
-    needs: str = "moments"
+    needs: Needs = "moments"
     description: str = ""
     params: dict[str, Any] = field(default_factory=dict)
     save: Callable[..., Any] | None = None  # model methods: save(model, directory, *, tokenizer, report)
     load: Callable[..., Any] | None = None  # model methods: load(directory, *, dtype, device) -> LoadedModel
 
-    def check_params(self, params: dict[str, Any]) -> None:
+    def check_params(self, params: Mapping[str, Any]) -> None:
         unknown = sorted(set(params) - set(self.params))
         if unknown:
             allowed = ", ".join(self.params) or "none"
             raise ValueError(f"{self.kind} {self.name!r} has no parameter(s) {', '.join(unknown)}; allowed: {allowed}")
 
-    def validate(self, params: dict[str, Any]) -> None:
-        """Check parameter names, then values by a trial run on a tiny synthetic problem (before real work)."""
+    def validate(self, params: Mapping[str, Any]) -> None:
+        """Check parameter names, then values by a trial run on a tiny synthetic problem (before real work).
+
+        The trial builds only the statistics the method declares in ``needs``. If a method declaring
+        "moments" fails there but succeeds once G is supplied, it reads G without saying so: that is a
+        ``PluginContractError`` naming the plugin and the declared need.
+        """
         self.check_params(params)
         if self.kind == "model-method":  # no cheap trial problem: a whole model is needed
             return
-        generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(3, 4, generator=generator)
-        stats = ActivationStats.from_activations(torch.randn(32, 4, generator=generator, dtype=torch.float64))
-        indices = (torch.tensor([0, 2]), torch.tensor([1, 3])) if self.kind == "compensator" else ()
         try:
-            self(weight, stats, *indices, **params)
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"{self.kind} {self.name!r} rejects parameters {params}: {error}") from error
+            self(*_trial_problem(self.kind, with_gram=self.needs == "gram"), **params)
+        except PluginContractError:
+            raise
+        except Exception as error:
+            if self.needs != "gram" and self._succeeds_with_gram(params):
+                raise PluginContractError(
+                    f"{self.kind} {self.name!r} from {self.provider} declares needs={self.needs!r} but reads the "
+                    f"Gram matrix G = Σ x xᵀ: without G its trial run fails ({type(error).__name__}: {error}); "
+                    "register it with needs='gram'") from error
+            if isinstance(error, (ValueError, KeyError, TypeError)):
+                raise ValueError(f"{self.kind} {self.name!r} rejects parameters {dict(params)}: {error}") from error
+            raise
 
-    def __call__(self, *args: Any, **params: Any):
+    def _succeeds_with_gram(self, params: Mapping[str, Any]) -> bool:
+        try:
+            self(*_trial_problem(self.kind, with_gram=True), **params)
+        except Exception:
+            return False
+        return True
+
+    def __call__(self, *args: Any, **params: Any) -> Any:
         """Run the method and check its result against the contract (shapes, finiteness, report type)."""
         self.check_params(params)
         result = self.fn(*args, **params)
@@ -73,6 +104,16 @@ class Method:
         if problem:
             raise PluginContractError(f"{self.kind} {self.name!r} from {self.provider} {problem}")
         return result
+
+
+def _trial_problem(kind: Kind, *, with_gram: bool) -> tuple[Any, ...]:
+    """W (3 × 4) and the statistics of 32 random tokens; compensators also get K = {0, 2}, pruned {1, 3}."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(3, 4, generator=generator)
+    x = torch.randn(32, 4, generator=generator, dtype=torch.float64)
+    stats = ActivationStats.from_activations(x, with_gram=with_gram)
+    indices = (torch.tensor([0, 2]), torch.tensor([1, 3])) if kind == "compensator" else ()
+    return (weight, stats, *indices)
 
 
 def _check_scores(scores: Any, weight: torch.Tensor, *_: Any) -> str | None:
@@ -134,51 +175,117 @@ def _parameters(fn: Callable[..., Any]) -> dict[str, Any]:
     return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
 
 
+def make_method(kind: Kind, name: str, fn: Callable[..., Any], provider: str, *, needs: str = "moments",
+                description: str | None = None, save: Callable[..., Any] | None = None,
+                load: Callable[..., Any] | None = None) -> Method:
+    """What ``register(name, fn, ...)`` declares, checked (needs, save/load only for model methods)."""
+    if needs not in NEEDS:
+        raise ValueError(f"{kind} {name!r} from {provider}: needs={needs!r}; allowed: {', '.join(NEEDS)}")
+    if (save or load) and kind != "model-method":
+        raise ValueError(f"{kind} {name!r} from {provider}: only model methods take save= and load=")
+    summary = description or (inspect.getdoc(fn) or "").split("\n")[0]
+    return Method(kind, name, fn, provider, needs, summary, _parameters(fn), save, load)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A run's methods, looked up once before any layer is touched."""
+
+    scorer: ScorerEntry
+    compensator: CompensatorEntry
+    uncompensated: CompensatorEntry  # "none": for modules outside ``compensate`` (W̃_K = W_K)
+    model_method: ModelMethodEntry | None = None
+
+    def compensator_for(self, compensated: bool) -> CompensatorEntry:
+        return self.compensator if compensated else self.uncompensated
+
+    def needs_gram(self, compensated: bool) -> bool:
+        """Whether a module's statistics must include G: its scorer, or its compensator, declares "gram"."""
+        return self.scorer.needs == "gram" or self.compensator_for(compensated).needs == "gram"
+
+
 class Registry:
-    """Lookup of registered methods by kind and name."""
+    """Registered methods by kind and name, and the plugins that could not be admitted (with why)."""
 
     def __init__(self) -> None:
-        self._methods: dict[Kind, dict[str, Method]] = {kind: {} for kind in _HOOKS}
-        self.broken: dict[str, str] = {}  # provider -> why it could not be loaded or registered
+        self._methods: dict[Kind, dict[str, Method]] = {kind: {} for kind in KINDS}
+        self.broken: dict[str, str] = {}  # provider -> why it could not be loaded or admitted
+        self._unavailable: dict[tuple[Kind, str], str] = {}  # (kind, name) -> provider of the broken plugin
 
-    def add(self, kind: Kind, name: str, fn: Callable[..., Any], provider: str, *, needs: str = "moments",
-            description: str | None = None, save: Callable[..., Any] | None = None,
-            load: Callable[..., Any] | None = None) -> None:
-        if needs not in NEEDS:
-            raise ValueError(f"{kind} {name!r} from {provider}: needs={needs!r}; allowed: {', '.join(NEEDS)}")
-        existing = self._methods[kind].get(name)
-        if existing:
-            raise ValueError(f"duplicate {kind} name {name!r}: registered by {existing.provider} and by {provider}")
-        summary = description or (inspect.getdoc(fn) or "").split("\n")[0]
-        if (save or load) and kind != "model-method":
-            raise ValueError(f"{kind} {name!r} from {provider}: only model methods take save= and load=")
-        self._methods[kind][name] = Method(kind, name, fn, provider, needs, summary, _parameters(fn), save, load)
+    @property
+    def scorers(self) -> Mapping[str, ScorerEntry]:
+        return MappingProxyType(self._methods["scorer"])
 
-    def registrar(self, kind: Kind, provider: str) -> Callable[..., None]:
-        """The ``register`` callable handed to one plugin's hook."""
-        def register(name: str, fn: Callable[..., Any], *, needs: str = "moments", description: str | None = None,
-                     save: Callable[..., Any] | None = None, load: Callable[..., Any] | None = None):
-            self.add(kind, name, fn, provider, needs=needs, description=description, save=save, load=load)
-        return register
+    @property
+    def compensators(self) -> Mapping[str, CompensatorEntry]:
+        return MappingProxyType(self._methods["compensator"])
+
+    @property
+    def model_methods(self) -> Mapping[str, ModelMethodEntry]:
+        return MappingProxyType(self._methods["model-method"])
+
+    def admit(self, provider: str, methods: list[Method]) -> None:
+        """Add one plugin's methods, all or none: names must be new, and each method passes its trial run
+        with default parameters. On failure the plugin is recorded as broken and its names point to why."""
+        try:
+            seen: dict[tuple[Kind, str], str] = {}
+            for method in methods:
+                key = (method.kind, method.name)
+                existing = self._methods[method.kind].get(method.name)
+                first = existing.provider if existing else seen.get(key)
+                if first:
+                    raise ValueError(f"duplicate {method.kind} name {method.name!r}: registered by {first} "
+                                     f"and by {provider}")
+                seen[key] = provider
+            for method in methods:
+                try:
+                    method.validate({})
+                except Exception as error:
+                    raise PluginContractError(f"trial run of {method.kind} {method.name!r} failed: "
+                                                 f"{type(error).__name__}: {error}") from error
+        except Exception as error:
+            self.isolate(provider, [(m.kind, m.name) for m in methods], str(error))
+            return
+        for method in methods:
+            self._methods[method.kind][method.name] = method
+
+    def isolate(self, provider: str, names: Iterable[tuple[Kind, str]], why: str) -> None:
+        """Record a broken plugin; the names it registered (and no one else holds) answer with ``why``."""
+        self.broken[provider] = why
+        for kind, name in names:
+            if name not in self._methods[kind]:
+                self._unavailable[(kind, name)] = provider
 
     def get(self, kind: Kind, name: str) -> Method:
         if kind not in self._methods:
             raise ValueError(f"unknown method kind {kind!r}; allowed: {', '.join(self._methods)}")
-        try:
-            return self._methods[kind][name]
-        except KeyError:
-            known = ", ".join(sorted(self._methods[kind])) or "none"
-            broken = "".join(f"; plugin {p} failed to load: {why}" for p, why in self.broken.items())
-            raise KeyError(f"unknown {kind} {name!r}; registered {kind}s: {known}{broken}") from None
+        method = self._methods[kind].get(name)
+        if method is not None:
+            return method
+        provider = self._unavailable.get((kind, name))
+        if provider is not None:
+            raise UnknownMethodError(f"{kind} {name!r} is unavailable: its plugin {provider} failed to load: "
+                                     f"{self.broken[provider]}")
+        known = ", ".join(sorted(self._methods[kind])) or "none"
+        broken = "".join(f"; plugin {p} failed to load: {why}" for p, why in self.broken.items())
+        raise UnknownMethodError(f"unknown {kind} {name!r}; registered {kind}s: {known}{broken}")
 
-    def scorer(self, name: str) -> Method:
+    def scorer(self, name: str) -> ScorerEntry:
         return self.get("scorer", name)
 
-    def compensator(self, name: str) -> Method:
+    def compensator(self, name: str) -> CompensatorEntry:
         return self.get("compensator", name)
+
+    def model_method(self, name: str) -> ModelMethodEntry:
+        return self.get("model-method", name)
 
     def methods(self, kind: Kind) -> list[Method]:
         return sorted(self._methods[kind].values(), key=lambda m: m.name)
+
+    def resolve(self, *, scorer: str, compensator: str, model_method: str | None = None) -> Resolved:
+        """A run's names to their entries, once (lookup errors list what exists)."""
+        return Resolved(self.scorer(scorer), self.compensator(compensator), self.compensator("none"),
+                        None if model_method is None else self.model_method(model_method))
 
 
 class PluginManager(pluggy.PluginManager):
@@ -190,21 +297,38 @@ class PluginManager(pluggy.PluginManager):
         self.providers: dict[str, str] = {}
         self.broken: dict[str, str] = {}
 
+    def register_builtins(self) -> None:
+        """The built-in methods, registered in code (no installed metadata needed)."""
+        from rcpu_bench import __version__
+
+        self.register(builtin, name="builtin")
+        self.providers["builtin"] = f"builtin (rcpu-bench {__version__})"
+
     def load_entry_points(self) -> None:
-        """Register every ``rcpu_bench`` entry point; one that fails to import or validate is recorded, not fatal."""
-        for entry in metadata.entry_points(group="rcpu_bench"):
+        """Register every ``rcpu_bench`` entry point, by name; one that fails to import is recorded, not fatal.
+
+        An entry point whose object is already registered (an older install's ``builtin`` entry point,
+        which loads ``rcpu_bench.builtin``) is skipped, so nothing is registered twice.
+        """
+        for entry in sorted(metadata.entry_points(group="rcpu_bench"), key=lambda e: e.name):
             provider = f"{entry.name} ({entry.dist.name} {entry.dist.version})" if entry.dist else entry.name
             try:
-                self.register(entry.load(), name=entry.name)
-            except Exception as error:  # noqa: BLE001 - a broken plugin must not take the others down
+                plugin = entry.load()
+                if self.is_registered(plugin):
+                    continue
+                self.register(plugin, name=entry.name)
+            except Exception as error:  # a broken plugin must not take the others down
                 self.broken[provider] = f"{type(error).__name__}: {error}"
             else:
                 self.providers[entry.name] = provider
 
 
-def plugin_manager(extra_plugins: Iterable[tuple[str, object]] = (), *, entry_points: bool = True) -> PluginManager:
-    """A plugin manager with the entry-point plugins (the built-ins included) and any extra (name, plugin)."""
+def plugin_manager(extra_plugins: Iterable[tuple[str, object]] = (), *, entry_points: bool = True,
+                   builtins: bool = True) -> PluginManager:
+    """A plugin manager with the built-ins, the entry-point plugins and any extra (name, plugin), in that order."""
     pm = PluginManager()
+    if builtins:
+        pm.register_builtins()
     if entry_points:
         pm.load_entry_points()
     for name, plugin in extra_plugins:
@@ -213,28 +337,44 @@ def plugin_manager(extra_plugins: Iterable[tuple[str, object]] = (), *, entry_po
 
 
 def build_registry(pm: PluginManager) -> Registry:
-    """Call every plugin's hooks with a ``register`` bound to that plugin's name.
+    """Call each plugin's hooks with a ``register`` bound to it and admit its methods (see ``Registry.admit``).
 
-    A plugin whose hook raises is recorded in ``registry.broken`` (with its provider and error) and skipped.
+    Plugins are admitted in registration order (built-ins first), so a name clash breaks the later plugin.
     """
     registry = Registry()
     registry.broken.update(pm.broken)
-    for kind, hook_name in _HOOKS.items():
-        for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            provider = pm.providers.get(impl.plugin_name, impl.plugin_name)
-            try:
-                impl.function(register=registry.registrar(kind, provider))
-            except ValueError:
-                raise  # duplicate names and bad declarations are the user's to fix
-            except Exception as error:  # noqa: BLE001
-                registry.broken[provider] = f"{hook_name} raised {type(error).__name__}: {error}"
-    if not registry.methods("scorer") or not registry.methods("compensator"):
-        raise RuntimeError("no scorers or compensators are registered: the 'rcpu_bench' entry points were not "
-                           "found. Install the package (pip install -e .) so its built-in plugin is registered.")
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:  # a name blocked with pm.set_blocked
+            continue
+        provider = pm.providers.get(name, name)
+        declared: list[Method] = []
+        try:
+            for kind, hook_name in _HOOKS.items():
+                for impl in getattr(pm.hook, hook_name).get_hookimpls():
+                    if impl.plugin is plugin:
+                        _call_hook(impl.function, hook_name, kind, provider, declared)
+        except _HookFailed as failure:
+            registry.isolate(provider, [(m.kind, m.name) for m in declared], str(failure))
+            continue
+        registry.admit(provider, declared)
     return registry
+
+
+class _HookFailed(Exception):
+    """A plugin's hook raised (its message says which hook and what)."""
+
+
+def _call_hook(hook: Callable[..., None], hook_name: str, kind: Kind, provider: str, declared: list[Method]) -> None:
+    def register(name: str, fn: Callable[..., Any], **declaration: Any) -> None:
+        declared.append(make_method(kind, name, fn, provider, **declaration))
+
+    try:
+        hook(register=register)
+    except Exception as error:
+        raise _HookFailed(f"{hook_name} raised {type(error).__name__}: {error}") from error
 
 
 @lru_cache(maxsize=1)
 def default_registry() -> Registry:
-    """The registry of all installed plugins (built once per process)."""
+    """The registry of the built-ins and all installed plugins (built once per process)."""
     return build_registry(plugin_manager())

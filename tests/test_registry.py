@@ -1,14 +1,17 @@
 """The pluggy registry: built-ins, third-party plugins registered from here, and the result contract."""
 
+from importlib import metadata
+
 import pytest
 import torch
 
-from rcpu_bench.compensation import compensators
-from rcpu_bench.selection import scorers
+from rcpu_bench import registry as registry_module
 from rcpu_bench.cli import main
+from rcpu_bench.compensation import compensators
 from rcpu_bench.compensation.compensators import Compensation
 from rcpu_bench.hookspecs import hookimpl
-from rcpu_bench.registry import PluginContractError, build_registry, default_registry, plugin_manager
+from rcpu_bench.registry import PluginContractError, build_registry, default_registry, make_method, plugin_manager
+from rcpu_bench.selection import scorers
 from rcpu_bench.statistics.activations import ActivationStats
 
 F64 = torch.float64
@@ -49,8 +52,8 @@ class ToyPlugin:
         register("toy-shrink", toy_shrink, needs="gram", description="Shrink the kept columns.")
 
 
-def registry_with(*plugins, entry_points=True):
-    return build_registry(plugin_manager(list(plugins), entry_points=entry_points))
+def registry_with(*plugins, entry_points=True, builtins=True):
+    return build_registry(plugin_manager(list(plugins), entry_points=entry_points, builtins=builtins))
 
 
 def test_plugin_methods_show_up_with_provider_params_and_description():
@@ -84,19 +87,20 @@ def test_plugin_method_runs_with_its_parameters():
 
 
 def test_module_plugin_without_entry_points():
-    """A plugin can also be a plain namespace of hook functions; without entry points only it is present."""
+    """A plugin can also be a plain namespace of hook functions; without entry points and built-ins only it is
+    present."""
     class OnlyToy:
         register_scorers = staticmethod(hookimpl(lambda register: register("toy-score", toy_score)))
         register_compensators = staticmethod(hookimpl(lambda register: register("toy-shrink", toy_shrink)))
 
-    registry = registry_with(("only", OnlyToy()), entry_points=False)
+    registry = registry_with(("only", OnlyToy()), entry_points=False, builtins=False)
     assert [m.name for m in registry.methods("scorer")] == ["toy-score"]
     assert [m.name for m in registry.methods("compensator")] == ["toy-shrink"]
 
 
-def test_no_plugins_at_all_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="entry points"):
-        registry_with(entry_points=False)
+def test_no_plugins_at_all_lookups_say_none_is_registered():
+    with pytest.raises(KeyError, match="unknown scorer 'variance'; registered scorers: none"):
+        registry_with(entry_points=False, builtins=False).scorer("variance")
 
 
 # --- built-ins ----------------------------------------------------------------------------------------
@@ -135,18 +139,22 @@ def test_builtin_method_call_equals_direct_function():
 
 # --- errors -------------------------------------------------------------------------------------------
 
-def test_duplicate_name_against_builtin_names_both_providers():
+def test_duplicate_name_against_builtin_isolates_the_plugin_and_names_both_providers():
     class Clash:
         @hookimpl
         def register_scorers(self, register):
+            register("toy-score", toy_score)
             register("magnitude", toy_score)
 
-    with pytest.raises(ValueError, match="magnitude") as err:
-        registry_with(("clash-plugin", Clash()))
-    assert "clash-plugin" in str(err.value) and "builtin" in str(err.value)
+    registry = registry_with(("clash-plugin", Clash()))
+    why = registry.broken["clash-plugin"]
+    assert "duplicate scorer name 'magnitude'" in why and "builtin (rcpu-bench" in why and "clash-plugin" in why
+    assert registry.scorer("magnitude").provider.startswith("builtin")
+    with pytest.raises(KeyError, match="scorer 'toy-score' is unavailable: its plugin clash-plugin failed.*magnitude"):
+        registry.scorer("toy-score")
 
 
-def test_duplicate_name_between_two_plugins_names_both_providers():
+def test_duplicate_name_between_two_plugins_names_both_and_keeps_the_first():
     class First:
         @hookimpl
         def register_compensators(self, register):
@@ -155,9 +163,21 @@ def test_duplicate_name_between_two_plugins_names_both_providers():
     class Second(First):
         pass
 
-    with pytest.raises(ValueError, match="duplicate compensator name 'shrink'") as err:
-        registry_with(("first-plugin", First()), ("second-plugin", Second()))
-    assert "first-plugin" in str(err.value) and "second-plugin" in str(err.value)
+    registry = registry_with(("first-plugin", First()), ("second-plugin", Second()))
+    assert registry.broken == {"second-plugin": "duplicate compensator name 'shrink': registered by first-plugin "
+                                                "and by second-plugin"}
+    assert registry.compensator("shrink").provider == "first-plugin"
+
+
+def test_a_name_registered_twice_by_one_plugin_is_a_clash():
+    class Twice:
+        @hookimpl
+        def register_scorers(self, register):
+            register("toy-score", toy_score)
+            register("toy-score", toy_score)
+
+    registry = registry_with(("twice", Twice()), builtins=False, entry_points=False)
+    assert "duplicate scorer name 'toy-score': registered by twice and by twice" in registry.broken["twice"]
 
 
 def test_unknown_name_lists_registered_names():
@@ -186,42 +206,39 @@ def test_unknown_param_on_method_without_params_says_none():
         default_registry().scorer("magnitude")(W, stats, variant="flap")
 
 
-def test_bad_needs_is_rejected_naming_the_plugin():
+def test_bad_needs_isolates_the_plugin_naming_it():
     class BadNeeds:
         @hookimpl
         def register_scorers(self, register):
             register("toy-score", toy_score, needs="activations")
 
-    with pytest.raises(ValueError, match="bad-needs.*'activations'"):
-        registry_with(("bad-needs", BadNeeds()))
+    registry = registry_with(("bad-needs", BadNeeds()))
+    assert "bad-needs: needs='activations'; allowed: moments, gram" in registry.broken["bad-needs"]
+    assert registry.scorer("variance").provider.startswith("builtin")
 
 
 # --- the result contract ------------------------------------------------------------------------------
 
-class Broken:
-    """A plugin whose methods break the contract in different ways."""
-
-    @hookimpl
-    def register_scorers(self, register):
-        register("short", lambda weight, stats: torch.ones(weight.shape[1] - 1, dtype=F64))
-        register("nan", lambda weight, stats: torch.full((weight.shape[1],), float("nan"), dtype=F64))
-        register("list", lambda weight, stats: [1.0] * weight.shape[1])
-
-    @hookimpl
-    def register_compensators(self, register):
-        register("wide", lambda weight, stats, kept, pruned: Compensation(weight))
-        register("nan-weight", lambda weight, stats, kept, pruned: Compensation(weight[:, kept] * float("nan")))
-        register("bad-bias", lambda weight, stats, kept, pruned: Compensation(weight[:, kept], torch.zeros(1)))
-        register("inf-bias", lambda weight, stats, kept, pruned:
-                 Compensation(weight[:, kept], torch.full((weight.shape[0],), float("inf"))))
-        register("not-a-compensation", lambda weight, stats, kept, pruned: weight[:, kept])
+BAD_SCORERS = {
+    "short": lambda weight, stats: torch.ones(weight.shape[1] - 1, dtype=F64),
+    "nan": lambda weight, stats: torch.full((weight.shape[1],), float("nan"), dtype=F64),
+    "list": lambda weight, stats: [1.0] * weight.shape[1],
+}
+BAD_COMPENSATORS = {
+    "wide": lambda weight, stats, kept, pruned: Compensation(weight),
+    "nan-weight": lambda weight, stats, kept, pruned: Compensation(weight[:, kept] * float("nan")),
+    "bad-bias": lambda weight, stats, kept, pruned: Compensation(weight[:, kept], torch.zeros(1)),
+    "inf-bias": lambda weight, stats, kept, pruned:
+        Compensation(weight[:, kept], torch.full((weight.shape[0],), float("inf"))),
+    "not-a-compensation": lambda weight, stats, kept, pruned: weight[:, kept],
+}
 
 
 @pytest.mark.parametrize("name,problem", [("short", r"shape \(5,\).*expected.*\(6,\)"), ("nan", "NaN"),
                                           ("list", "list")])
 def test_bad_scorer_result_raises_contract_error_naming_plugin(name, problem):
     W, stats, _, _ = make_problem()
-    method = registry_with(("broken-plugin", Broken())).scorer(name)
+    method = make_method("scorer", name, BAD_SCORERS[name], "broken-plugin")
     with pytest.raises(PluginContractError, match=f"scorer '{name}' from broken-plugin .*{problem}"):
         method(W, stats)
 
@@ -231,9 +248,26 @@ def test_bad_scorer_result_raises_contract_error_naming_plugin(name, problem):
                                           ("not-a-compensation", "expected a Compensation")])
 def test_bad_compensator_result_raises_contract_error_naming_plugin(name, problem):
     W, stats, kept, pruned = make_problem()
-    method = registry_with(("broken-plugin", Broken())).compensator(name)
+    method = make_method("compensator", name, BAD_COMPENSATORS[name], "broken-plugin")
     with pytest.raises(PluginContractError, match=f"compensator '{name}' from broken-plugin .*{problem}"):
         method(W, stats, kept, pruned)
+
+
+def test_a_plugin_breaking_the_contract_is_caught_by_its_trial_run_at_registration():
+    class Broken:
+        @hookimpl
+        def register_compensators(self, register):
+            register("toy-shrink", toy_shrink)
+            register("wide", BAD_COMPENSATORS["wide"])
+
+    registry = registry_with(("broken-plugin", Broken()))
+    assert registry.broken["broken-plugin"] == (
+        "trial run of compensator 'wide' failed: PluginContractError: compensator 'wide' from broken-plugin "
+        "returned a weight of shape (3, 4), expected (3, 2)")
+    for name in ("wide", "toy-shrink"):  # the plugin is admitted whole or not at all
+        with pytest.raises(KeyError, match=f"compensator '{name}' is unavailable: its plugin broken-plugin failed"):
+            registry.compensator(name)
+    assert registry.compensator("procrustes").provider.startswith("builtin")
 
 
 # --- CLI ----------------------------------------------------------------------------------------------
@@ -245,3 +279,62 @@ def test_cli_plugins_lists_all_builtins(capsys):
     for name in BUILTIN_SCORERS + BUILTIN_COMPENSATORS:
         assert any(line.split()[:1] == [name] for line in out.splitlines()), name
     assert "lam=0.0001" in out and "variant='flap'" in out
+
+
+# --- built-ins registered in code ---------------------------------------------------------------------
+
+def without_installed_plugins(monkeypatch, *entries):
+    """The entry-point group holds only ``entries``: a source checkout that was never pip-installed has none."""
+    monkeypatch.setattr(registry_module.metadata, "entry_points", lambda group: list(entries))
+
+
+def test_builtins_are_registered_without_installed_metadata(monkeypatch):
+    without_installed_plugins(monkeypatch)
+    registry = build_registry(plugin_manager())
+    assert [m.name for m in registry.methods("scorer")] == BUILTIN_SCORERS
+    assert [m.name for m in registry.methods("compensator")] == BUILTIN_COMPENSATORS
+    assert registry.broken == {}
+
+
+def test_an_installed_builtin_entry_point_is_not_registered_twice(monkeypatch):
+    """An older install declares ``builtin = "rcpu_bench.builtin"``: the same module, skipped, no clash."""
+    without_installed_plugins(monkeypatch, metadata.EntryPoint("builtin", "rcpu_bench.builtin", "rcpu_bench"))
+    registry = build_registry(plugin_manager())
+    assert registry.broken == {}
+    assert [m.name for m in registry.methods("scorer")] == BUILTIN_SCORERS
+    assert all(m.provider.startswith("builtin (rcpu-bench") for m in registry.methods("compensator"))
+
+
+def test_a_foreign_entry_point_named_builtin_is_reported_not_merged(monkeypatch):
+    without_installed_plugins(monkeypatch, metadata.EntryPoint("builtin", "rcpu_example.plugin", "rcpu_bench"))
+    registry = build_registry(plugin_manager())
+    assert "builtin" in registry.broken["builtin"] and "ValueError" in registry.broken["builtin"]
+    assert [m.name for m in registry.methods("scorer")] == BUILTIN_SCORERS
+
+
+# --- typed tables and names resolved once -------------------------------------------------------------
+
+def test_tables_per_kind_are_read_only_views_of_the_same_entries():
+    registry = registry_with(("toy", ToyPlugin()))
+    assert sorted(registry.scorers) == [m.name for m in registry.methods("scorer")]
+    assert registry.scorers["toy-score"] is registry.scorer("toy-score")
+    assert registry.compensators["ridge"] is registry.get("compensator", "ridge")
+    assert set(registry.model_methods) == {m.name for m in registry.methods("model-method")}
+    with pytest.raises(TypeError):
+        registry.scorers["mine"] = registry.scorer("toy-score")  # type: ignore[index]
+
+
+def test_resolve_returns_the_entries_of_a_run():
+    registry = registry_with(("toy", ToyPlugin()))
+    run = registry.resolve(scorer="toy-score", compensator="toy-shrink")
+    assert run.scorer is registry.scorer("toy-score") and run.compensator is registry.compensator("toy-shrink")
+    assert run.compensator_for(True) is run.compensator
+    assert run.compensator_for(False) is registry.compensator("none") and run.model_method is None
+    assert run.needs_gram(True) and not run.needs_gram(False)  # toy-shrink needs G, "none" and toy-score do not
+
+
+def test_resolve_names_what_exists_for_an_unknown_name():
+    with pytest.raises(KeyError, match="unknown compensator 'rotation'; registered compensators: flap-bias, none"):
+        default_registry().resolve(scorer="variance", compensator="rotation")
+    with pytest.raises(KeyError, match="unknown model-method 'slice'"):
+        default_registry().resolve(scorer="variance", compensator="none", model_method="slice")

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from rcpu_bench.pruning.methods import MODULES
 from rcpu_bench.model.loading import decoder_layers, layer_geometry
-from rcpu_bench.registry import Registry, default_registry
+from rcpu_bench.registry import Registry, Resolved, default_registry
 from rcpu_bench.selection.scorers import unit_scores
 from rcpu_bench.selection.select import Rounding, Selection, n_pruned, select_by_score, select_within_groups
 from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, check_gram_precision, collect_input_stats
@@ -194,30 +194,28 @@ def _projection(layer: nn.Module, module: str) -> nn.Linear:
     return getattr(layer.self_attn if module == "attention" else layer.mlp, _PROJ[module])
 
 
-def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: PruneConfig, registry: Registry,
+def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: PruneConfig, methods: Resolved,
                  timer: Timer, units: Selection | None = None) -> dict[str, Any]:
     """Score, select, compensate and shrink one module of one layer; returns its diagnostics."""
     proj = _projection(layer, module)
     mapping = unit_map(layer, module, config.gqa_rule)
     if units is None:
         with timer("score"):
-            scores = registry.scorer(config.scorer)(proj.weight, stats, **config.scorer_params)
+            scores = methods.scorer(proj.weight, stats, **config.scorer_params)
             units = mapping.select(scores, config)
     columns = units.columns(mapping.unit_size)
-    name = config.compensator if module in config.compensate else "none"
+    compensator = methods.compensator_for(module in config.compensate)
     params = config.compensator_params if module in config.compensate else {}
     with timer("solve"):
-        result = registry.compensator(name)(proj.weight, stats, columns.kept, columns.pruned, **params)
+        result = compensator(proj.weight, stats, columns.kept, columns.pruned, **params)
     _apply(layer, module, units, config.gqa_rule, result.weight, result.bias)
-    return {"compensator": name, "units_total": len(units.kept) + len(units.pruned),
+    return {"compensator": compensator.name, "units_total": len(units.kept) + len(units.pruned),
             "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info}
 
 
-def _gram_modules(modules: list[str], config: PruneConfig, registry: Registry) -> list[str]:
-    """Modules whose compensator needs G; the others collect only the cheaper moments."""
-    if registry.compensator(config.compensator).needs != "gram":
-        return []
-    return [m for m in modules if m in config.compensate]
+def _gram_modules(modules: list[str], config: PruneConfig, methods: Resolved) -> list[str]:
+    """Modules whose scorer or compensator needs G; the others collect only the cheaper moments."""
+    return [m for m in modules if methods.needs_gram(m in config.compensate)]
 
 
 @contextmanager
@@ -264,13 +262,14 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     """Prune and compensate every decoder layer of ``model`` in place from calibration token windows."""
     registry = registry or default_registry()
     config.validate(registry)
+    methods = registry.resolve(scorer=config.scorer, compensator=config.compensator, model_method=config.model_method)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if config.model_method is not None:
-        return _run_model_method(model, calib_ids, config, registry, device)
+        return _run_model_method(model, calib_ids, config, methods, device)
     layers = decoder_layers(model)
-    selections = global_selections(model, calib_ids, config, registry, device) if config.structure == "al-am" else None
+    selections = global_selections(model, calib_ids, config, methods, device) if config.structure == "al-am" else None
     totals = Timer(device)
     with totals("capture"):
         inputs = _capture(model, calib_ids, config, device)
@@ -278,7 +277,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     for index, layer in enumerate(tqdm(layers, desc="pruning layers", disable=not progress)):
         timer = Timer(device)
         with _on_device(layer, device, config.offload):
-            report, outputs = _prune_layer(layer, inputs, config, registry, timer, selections[index] if selections else None)
+            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selections[index] if selections else None)
             if config.statistics == "sequential":
                 with timer("forward"):
                     outputs = run_layer(layer, inputs)
@@ -289,11 +288,12 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     return PruneReport(reports, totals.seconds, _peak_memory(device))
 
 
-def _run_model_method(model: nn.Module, calib_ids: Tensor, config: PruneConfig, registry: Registry,
+def _run_model_method(model: nn.Module, calib_ids: Tensor, config: PruneConfig, methods: Resolved,
                       device: torch.device) -> PruneReport:
     """Hand the whole model to a registered model method (ratio and its own parameters)."""
     timer = Timer(device)
-    method = registry.get("model-method", config.model_method)
+    method = methods.model_method
+    assert method is not None  # prune_model resolved config.model_method, which is set on this path
     with timer(config.model_method):
         report = method(model, calib_ids.to(device), ratio=config.ratio, **config.model_method_params)
     return PruneReport([], timer.seconds, _peak_memory(device), report)
@@ -314,11 +314,11 @@ def _capture(model: nn.Module, calib_ids: Tensor, config: PruneConfig, device: t
             module.to("cpu")
 
 
-def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig, registry: Registry, timer: Timer,
+def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig, methods: Resolved, timer: Timer,
                  selections: dict[str, Selection] | None) -> tuple[dict[str, Any], list[Tensor]]:
     """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
     modules = [m for m in MODULES if m in config.prune]
-    gram = _gram_modules(modules, config, registry)
+    gram = _gram_modules(modules, config, methods)
     with timer("statistics"):
         stats, dense_outputs = _collect(layer, modules, inputs, gram, config.gram_precision)
     report: dict[str, Any] = {}
@@ -327,7 +327,7 @@ def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig
             with timer("statistics"):
                 stats["mlp"] = _collect(layer, ["mlp"], inputs, gram, config.gram_precision)[0]["mlp"]
         units = selections[module] if selections else None
-        report[module] = prune_module(layer, module, stats[module], config, registry, timer, units)
+        report[module] = prune_module(layer, module, stats[module], config, methods, timer, units)
     return report, dense_outputs
 
 
@@ -364,7 +364,7 @@ def _layer_units(layer: nn.Module, index: int, module: str, scores: Tensor, gqa_
 
 
 @torch.no_grad()
-def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, registry: Registry,
+def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, methods: Resolved,
                       device: torch.device) -> list[dict[str, Selection]]:
     """FLAP AL-AM: standardized per-layer scores, units weighted by parameter cost, one global threshold.
 
@@ -379,8 +379,7 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
         with _on_device(layer, device, config.offload):
             stats, outputs = _collect(layer, modules, inputs, gram_modules=[])
             for module in modules:
-                scores = registry.scorer(config.scorer)(_projection(layer, module).weight, stats[module],
-                                                        **config.scorer_params)
+                scores = methods.scorer(_projection(layer, module).weight, stats[module], **config.scorer_params)
                 units += _layer_units(layer, index, module, scores, config.gqa_rule)
         inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs)]
     kept = _global_keep(units, config.ratio)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import torch
+from rcpu_example.plugin import output_energy, procrustes_bias
 
 from rcpu_bench.compensation.compensators import flap_bias, procrustes
+from rcpu_bench.matrix.runner import run_matrix
 from rcpu_bench.matrix.spec import parse_matrix
 from rcpu_bench.registry import default_registry
-from rcpu_bench.matrix.runner import run_matrix
 from rcpu_bench.statistics.activations import ActivationStats
 from rcpu_bench.tables.tables import read_store
-from rcpu_example.plugin import output_energy, procrustes_bias
 
 
 def problem(d_out: int = 7, d_in: int = 10, n: int = 400, seed: int = 0):
