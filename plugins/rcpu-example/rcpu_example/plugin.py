@@ -5,6 +5,7 @@ from torch import Tensor
 
 from rcpu_bench import hookimpl
 from rcpu_bench.compensation.compensators import Compensation, Problem
+from rcpu_bench.hookspecs import Register
 from rcpu_bench.statistics.activations import ActivationStats
 
 
@@ -28,10 +29,10 @@ def procrustes_bias(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned
 
 
 @hookimpl
-def register_scorers(register):
-    register("output-energy", output_energy)
+def register_scorers(register: Register) -> None:
+    register("output-energy", output_energy)  # reads Σx² only: needs="moments", the default
 
 
 @hookimpl
-def register_compensators(register):
-    register("procrustes-bias", procrustes_bias, needs="gram")
+def register_compensators(register: Register) -> None:
+    register("procrustes-bias", procrustes_bias, needs="gram")  # reads G: the pipeline collects it for this module

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import torch
+from rcpu_example import plugin
 from rcpu_example.plugin import output_energy, procrustes_bias
 
+from rcpu_bench import hookimpl
 from rcpu_bench.compensation.compensators import flap_bias, procrustes
 from rcpu_bench.matrix.runner import run_matrix
 from rcpu_bench.matrix.spec import parse_matrix
-from rcpu_bench.registry import default_registry
+from rcpu_bench.registry import build_registry, default_registry, plugin_manager
 from rcpu_bench.statistics.activations import ActivationStats
 from rcpu_bench.tables.tables import read_store
 
@@ -53,6 +55,25 @@ def test_output_energy_is_the_expected_squared_contribution():
     w, x, _, _ = problem()
     want = torch.stack([((w[:, j:j + 1] * x[:, j]) ** 2).sum() / len(x) for j in range(w.shape[1])])
     torch.testing.assert_close(output_energy(w, ActivationStats.from_activations(x)), want)
+
+
+def test_registered_on_a_fresh_registry_and_its_trial_runs_pass():
+    registry = build_registry(plugin_manager([("example", plugin)], entry_points=False))
+    assert registry.broken == {}
+    assert registry.scorer("output-energy").provider == registry.compensator("procrustes-bias").provider == "example"
+    assert registry.scorer("output-energy").needs == "moments"
+    assert registry.compensator("procrustes-bias").needs == "gram"
+
+
+def test_procrustes_bias_declared_without_g_would_be_refused_by_its_trial_run():
+    class Undeclared:
+        @hookimpl
+        def register_compensators(self, register):
+            register("procrustes-bias", procrustes_bias)  # needs="moments" by default, yet it reads G
+
+    registry = build_registry(plugin_manager([("undeclared", Undeclared())], entry_points=False))
+    assert "'procrustes-bias' from undeclared declares needs='moments' but reads the Gram matrix" in (
+        registry.broken["undeclared"])
 
 
 def test_installed_plugin_is_registered_through_its_entry_point():
