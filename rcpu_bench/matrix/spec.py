@@ -129,7 +129,7 @@ TOP_KEYS = (
     Key("zeroshot_limit", optional(integer(1)), "examples per zero-shot task, for quick runs (null: all)", None),
     Key("prune", read_prune, "options for every method (a method's own options win)", {}),
     Key("ablation", lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
-        "{compensate: [...]}: multiply the methods by the modules compensated", ()),
+        "{compensate: [...]}: multiply the methods by the modules compensated", (), "none"),
 )
 
 
