@@ -131,7 +131,8 @@ def test_a_shared_model_path_is_written_portably_so_ids_match():
     ({"ablation": {"modules": ["none"]}}, "ablation: unknown key 'modules'; allowed keys: compensate"),
     ({"include_dense": "yes"}, "include_dense: 'yes' is not allowed; allowed: true, false"),
     ({"models": [{"path": "x"}]}, "models[0]: unknown key 'path'; allowed keys: model, label, revision"),
-    ({"prune": {"prune": ["attn"]}}, "prune.prune: prune=('attn',) has unknown module(s) ['attn']; allowed: a subset of attention, mlp"),
+    ({"prune": {"prune": ["attn"]}},
+     "prune.prune: prune=('attn',) has unknown module(s) ['attn']; allowed: a subset of attention, mlp"),
     ({"prune": {"ratio": 0.5}}, "prune: unknown key 'ratio'"),
     ({"methods": []}, "methods: expected a non-empty list"),
 ])
@@ -237,6 +238,8 @@ def test_a_recipe_overridden_by_the_matrix_is_not_labelled_as_the_recipe():
     assert (cell.method, cell.method_label) == ("custom", "variance+procrustes [statistics=one-shot]")
     assert methods.label_of(cell.prune) is None
     assert (dense.method, dense.method_label) == ("original", "Original")  # nothing pruned: no option matters
+    stored_before_the_fix = {**cell.to_dict(), "method": "rcpu-rot", "method_label": "RCPU (Rot.)"}
+    assert methods.cell_label(stored_before_the_fix) == cell.method_label
     (product_cell,) = [c for c in cells_of(tiny_raw([{"scorers": ["variance"], "compensators": ["procrustes"]}],
                                                     prune={"statistics": "one-shot"}))]
     assert product_cell.method_label == cell.method_label and product_cell.id == cell.id
@@ -273,12 +276,12 @@ def test_the_label_rule_and_the_id_rule_give_the_stored_leaderboard_labels_and_i
     for line in lines:
         cell = line["cell"]
         assert matrix_cells.cell_id(cell) == line["cell_id"]
-        name = cell["method_label"] if cell["method"] == "custom" else None
-        assert methods.method_label(cell["prune"], name) == cell["method_label"]
+        assert methods.cell_label(cell) == cell["method_label"]
 
 
 def test_cell_field_roles_are_the_old_lists():
-    assert set(matrix_cells.NOT_HASHED) == {"matrix", "model_label", "method", "method_label", "device", "eval_batch_size"}
+    assert set(matrix_cells.NOT_HASHED) == {"matrix", "model_label", "method", "method_label", "device",
+                                            "eval_batch_size"}
     assert set(matrix_cells.RUN_FIELDS) == {"model", "revision", "ratio", "n_calib", "seqlen", "calib", "lam", "prune",
                                      "dtype", "zeroshot_limit"}
     assert matrix_cells.HASHED_WHEN_SET == {"zeroshot_limit": None}

@@ -92,3 +92,10 @@ def test_coerce_reads_yaml_lists_as_module_tuples_and_checks():
 
 def test_options_added_after_stored_results_are_hashed_only_when_set():
     assert options.HASHED_WHEN_SET == {"gram_precision": "mixed", "model_method": None, "model_method_params": {}}
+
+
+def test_the_default_pipeline_is_every_recipe_option_but_scorer_and_compensator_at_its_default():
+    assert options.is_default_pipeline(PruneConfig(scorer="wanda-sp", compensator="ridge", batch_size=2).to_dict())
+    for config in (PruneConfig(statistics="one-shot"), PruneConfig(structure="al-am"), PruneConfig(rounding="ceil"),
+                   PruneConfig(model_method="slicegpt")):
+        assert not options.is_default_pipeline(config.to_dict())

@@ -3,7 +3,8 @@
 A matrix names models, methods, pruning ratios, calibration sizes and what to evaluate. Its cells are
 models × calibration sizes × methods × ratios, where a λ-grid method (ridge) counts once per λ and an
 ``ablation`` multiplies the methods by the modules compensated, plus one dense ``original`` cell per
-model (ratio 0) when ``include_dense`` is set. The keys (shipped matrices live in ``matrices/``)::
+model (ratio 0) when ``include_dense`` is set. Every key in an example (their meanings and defaults:
+:data:`TOP_KEYS`; shipped matrices live in ``matrices/``)::
 
     name: smoke                     # results go to results/<name> by default (default: the file's stem)
     models:                         # a local directory or a hub id; ${shared} is the shared fixtures dir
@@ -52,7 +53,7 @@ import yaml
 
 from rcpu_bench.compensation.compensators import LAMBDA_GRID
 from rcpu_bench.evaluation import perplexity
-from rcpu_bench.matrix.cells import SHARED, Cell, expand_shared, portable
+from rcpu_bench.matrix.cells import SHARED, Cell
 from rcpu_bench.matrix.entries import (
     DENSE,
     CalibGrid,
@@ -86,8 +87,9 @@ from rcpu_bench.pruning.methods import CUSTOM, RECIPES, method_label, recipe_of
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.registry import Registry
 
-__all__ = ["SHARED", "Cell", "Matrix", "MatrixError", "apply_overrides", "error_message", "expand", "expand_shared",
-           "load_matrix", "parse_matrix", "portable", "read_matrix", "shipped_matrices"]
+# Cell, MatrixError and error_message are defined in matrix.cells and matrix.schema; importers may take them from here.
+__all__ = ["SHARED", "Cell", "Matrix", "MatrixError", "apply_overrides", "error_message", "expand", "load_matrix",
+           "parse_matrix", "read_matrix", "shipped_matrices"]
 
 EVALS = ("ppl", "zeroshot")
 COMPENSATE_VARIANTS: dict[str, tuple[str, ...]] = {

@@ -22,7 +22,8 @@ from typing import Any
 
 from rcpu_bench.pruning.options import BY_NAME, MODULES, RECIPE_OPTIONS
 
-__all__ = ["CUSTOM", "MODULES", "RECIPES", "Recipe", "get_recipe", "label_of", "method_label", "recipe_of"]
+__all__ = ["CUSTOM", "MODULES", "RECIPES", "Recipe", "cell_label", "get_recipe", "label_of", "method_label",
+           "recipe_of"]
 CUSTOM = "custom"  # the key of a cell whose final configuration is no recipe, or that a matrix named itself
 
 
@@ -108,3 +109,9 @@ def method_label(config: Mapping[str, Any], name: str | None = None) -> str:
                if key not in ("scorer", "compensator", "model_method") and config.get(key, BY_NAME[key].default)
                != BY_NAME[key].default]
     return f"{head} [{', '.join(changed)}]" if changed else head
+
+
+def cell_label(cell: Mapping[str, Any]) -> str:
+    """The label of a stored matrix cell by today's rule: a name the matrix gave (key ``custom``) is kept, any
+    other label is recomputed from the cell's final configuration (stores written before the rule may differ)."""
+    return method_label(cell["prune"], cell["method_label"] if cell["method"] == CUSTOM else None)

@@ -165,6 +165,13 @@ HASHED_WHEN_SET: dict[str, Any] = {o.name: o.default for o in OPTIONS if o.hashe
 RECIPE_OPTIONS: tuple[str, ...] = tuple(o.name for o in OPTIONS if o.recipe)
 
 
+def is_default_pipeline(config: Mapping[str, Any]) -> bool:
+    """Whether a configuration runs the RCPU pipeline: every recipe option but the scorer and compensator at its
+    default (what the plots compare: scorer × compensator on the same pipeline)."""
+    return all(config.get(name, BY_NAME[name].default) == BY_NAME[name].default
+               for name in RECIPE_OPTIONS if name not in ("scorer", "compensator"))
+
+
 def coerce(name: str, value: Any) -> Any:
     """A stored or YAML value of option ``name`` as the field's type (lists of modules as tuples), checked."""
     if name not in BY_NAME:
