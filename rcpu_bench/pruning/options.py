@@ -234,8 +234,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> PruneConfig:
     """The PruneConfig of parsed ``add_arguments`` flags (not yet validated against the registry)."""
-    return PruneConfig(**{o.name: dict(getattr(args, o.name)) if o.kind == "params" else getattr(args, o.name)
-                          for o in OPTIONS})
+    values: dict[str, Any] = {o.name: dict(getattr(args, o.name)) if o.kind == "params" else getattr(args, o.name)
+                              for o in OPTIONS}
+    return PruneConfig(**values)
 
 
 # ------------------------------------------------------------------------------------------------ README
