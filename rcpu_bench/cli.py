@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from typing import Any
 
@@ -22,10 +21,9 @@ from rcpu_bench.matrix.experiment import (
     run_experiment,
 )
 from rcpu_bench.model.loading import add_model_options
-from rcpu_bench.pruning.pipeline import MODULES, PruneConfig
+from rcpu_bench.pruning import options
 from rcpu_bench.matrix.records import append_record
 from rcpu_bench.registry import default_registry
-from rcpu_bench.statistics.activations import GRAM_PRECISIONS
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -41,28 +39,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 1 if registry.broken else 0
 
 
-def _params(pairs: list[str]) -> dict[str, Any]:
-    """key=value pairs; values are Python literals where they parse (1e-3, 'l2', True), else strings."""
-    params = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"rcpu-bench: bad parameter {pair!r}; expected key=value")
-        try:
-            params[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            params[key] = value
-    return params
-
-
-def _modules(text: str) -> tuple[str, ...]:
-    names = tuple(n for n in text.split(",") if n) if text != "none" else ()
-    bad = [n for n in names if n not in MODULES]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown module(s) {bad}; allowed: {', '.join(MODULES)} or none")
-    return names
-
-
 def _summary(record: dict[str, Any]) -> str:
     params = record["parameters"]
     lines = [f"parameters: {params['before']:,} -> {params['after']:,} ({params['removed_fraction']:.2%} removed)",
@@ -74,14 +50,7 @@ def _summary(record: dict[str, Any]) -> str:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    config = PruneConfig(scorer=args.scorer, compensator=args.compensator, ratio=args.ratio,
-                         scorer_params=_params(args.scorer_param), compensator_params=_params(args.compensator_param),
-                         rounding=args.rounding, prune=args.prune, compensate=args.compensate, gqa_rule=args.gqa_rule,
-                         head_aggregation=args.head_aggregation, statistics=args.statistics,
-                         structure=args.structure, recollect_mlp=args.recollect_mlp, offload=args.offload,
-                         batch_size=args.batch_size, gram_precision=args.gram_precision,
-                         model_method=args.model_method,
-                         model_method_params=_params(args.model_method_param))
+    config = options.from_args(args)
     experiment = Experiment(model=args.model or default_model(), prune=config, calib=args.calib, ppl_profiles=tuple(args.ppl),
                             revision=args.revision, dtype=args.dtype, device=args.device,
                             eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
@@ -107,31 +76,7 @@ def _add_prune_parser(commands) -> None:
     p.add_argument("--model", help="local model directory or Hugging Face hub id "
                    "(default: the stories260K-mha fixture in the shared directory)")
     add_model_options(p)
-    p.add_argument("--scorer", default="variance", help="registered scorer (see `rcpu-bench plugins`)")
-    p.add_argument("--scorer-param", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--compensator", default="procrustes", help="registered compensator")
-    p.add_argument("--compensator-param", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--model-method", help="a registered whole-model method (e.g. slicegpt) instead of "
-                   "scorer x compensator")
-    p.add_argument("--model-method-param", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--ratio", type=float, default=0.2, help="structural pruning ratio in [0, 1)")
-    p.add_argument("--rounding", default="floor", choices=["floor", "ceil"],
-                   help="units pruned: floor(ratio*n) (official code) or ceil (paper text)")
-    p.add_argument("--prune", type=_modules, default=MODULES, help="modules to prune: attention,mlp")
-    p.add_argument("--compensate", type=_modules, default=MODULES, help="pruned modules to compensate")
-    p.add_argument("--gqa-rule", default="group", choices=["group", "query"],
-                   help="group: prune whole key/value groups; query: the same number of query heads per group")
-    p.add_argument("--head-aggregation", default="sum", choices=["sum", "standardized-mean"])
-    p.add_argument("--statistics", default="sequential", choices=["sequential", "one-shot"],
-                   help="sequential: from the already pruned model (RCPU); one-shot: from the dense model (FLAP)")
-    p.add_argument("--structure", default="uniform", choices=["uniform", "al-am"],
-                   help="uniform ratio per layer, or FLAP's global adaptive structure")
-    p.add_argument("--recollect-mlp", action="store_true",
-                   help="re-collect down_proj statistics after attention is pruned (not RCPU's default)")
-    p.add_argument("--offload", action="store_true", help="keep only the current layer on the device")
-    p.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
-    p.add_argument("--gram-precision", default="mixed", choices=list(GRAM_PRECISIONS),
-                   help="G = sum x x^T from float32 products summed in float64 (mixed), or all float64")
+    options.add_arguments(p)
     p.add_argument("--calib", default=DEFAULT_CALIB,
                    help="calibration data SOURCE[:NxSEQLEN][:seed=S]; sources wikitext2, tinystories, file:PATH")
     p.add_argument("--ppl", action="append", default=None, metavar="PROFILE",

@@ -10,9 +10,11 @@ import pytest
 from tiny_matrices import tiny_raw, write_matrix
 from tiny_models import STORIES, needs_stories
 
-from rcpu_bench.matrix.spec import (COMPENSATE_VARIANTS, SHARED, MatrixError, apply_overrides, expand, load_matrix,
-                               parse_matrix, read_matrix, shipped_matrices)
-from rcpu_bench.pruning.pipeline import MODULES
+from rcpu_bench.matrix import cells as matrix_cells
+from rcpu_bench.matrix.spec import (COMPENSATE_VARIANTS, SHARED, MatrixError, apply_overrides, expand, key_table,
+                                    load_matrix, parse_matrix, read_matrix, shipped_matrices)
+from rcpu_bench.pruning import methods, options
+from rcpu_bench.pruning.options import MODULES
 from rcpu_bench.registry import default_registry
 from rcpu_bench.matrix.runner import preflight
 
@@ -114,14 +116,14 @@ def test_a_shared_model_path_is_written_portably_so_ids_match():
      "unknown key 'lamda'; allowed keys: name, scorer, compensator, scorer_params, compensator_params"),
     ({"methods": [{"name": "x", "scorer": "variance"}]}, "missing key 'compensator'"),
     ({"methods": [{"scorers": ["variance"]}]}, "missing key 'compensators'"),
-    ({"methods": [{"scorer": "variance", "compensator": "none"}]}, "is not a method; expected an alias key"),
+    ({"methods": [{"scorer": "variance", "compensator": "none"}]}, "is not a method; expected a recipe key"),
     ({"eval": ["ppl", "mmlu"]}, "eval[1]: 'mmlu' is not allowed; allowed: ppl, zeroshot"),
     ({"ratios": [1.0]}, "ratio 1.0 is outside (0, 1)"),
     ({"ratios": ["abc"]}, "ratios[0]: 'abc' is not a number"),
     ({"lambdas": [-1]}, "λ -1.0 must be >= 0"),
     ({"calib": {"sourse": "wikitext2"}}, "calib: unknown key 'sourse'; allowed keys: source, n_calib, seqlen, seed"),
     ({"calib": {"source": "c4"}}, "unknown calibration source 'c4'"),
-    ({"calib": {"n_calib": [0]}}, "calib.n_calib: 0 is not an integer >= 1"),
+    ({"calib": {"n_calib": [0]}}, "calib.n_calib[0]: 0 is not an integer >= 1"),
     ({"dtype": "int8"}, "dtype: unknown dtype 'int8'; allowed: float32"),
     ({"device": "gpu"}, "device: unknown device 'gpu'"),
     ({"ppl_profiles": ["wikitext103"]}, "unknown perplexity profile 'wikitext103'; allowed: rcpu128"),
@@ -129,7 +131,8 @@ def test_a_shared_model_path_is_written_portably_so_ids_match():
     ({"ablation": {"modules": ["none"]}}, "ablation: unknown key 'modules'; allowed keys: compensate"),
     ({"include_dense": "yes"}, "include_dense: 'yes' is not allowed; allowed: true, false"),
     ({"models": [{"path": "x"}]}, "models[0]: unknown key 'path'; allowed keys: model, label, revision"),
-    ({"prune": {"prune": ["attn"]}}, "prune.prune: 'attn' is not allowed; allowed: attention, mlp"),
+    ({"prune": {"prune": ["attn"]}},
+     "prune.prune: prune=('attn',) has unknown module(s) ['attn']; allowed: a subset of attention, mlp"),
     ({"prune": {"ratio": 0.5}}, "prune: unknown key 'ratio'"),
     ({"methods": []}, "methods: expected a non-empty list"),
 ])
@@ -223,3 +226,68 @@ def test_cell_ids_of_the_committed_leaderboard_stay_valid():
     stored = {json.loads(line)["cell_id"] for line in (leaderboard / "records.jsonl").read_text(encoding="utf-8").splitlines()}
     cells = expand(load_matrix(str(leaderboard / "matrix.yaml")), REGISTRY)
     assert len(cells) == 46 and {cell.id for cell in cells} <= stored
+
+
+# ------------------------------------------------------------------------- labels from the final configuration
+
+
+def test_a_recipe_overridden_by_the_matrix_is_not_labelled_as_the_recipe():
+    """Regression: methods [rcpu-rot] with prune {statistics: one-shot} was labelled RCPU (Rot.)."""
+    (dense, cell) = cells_of(tiny_raw(["rcpu-rot"], prune={"statistics": "one-shot"}, include_dense=True))
+    assert cell.prune["statistics"] == "one-shot"
+    assert (cell.method, cell.method_label) == ("custom", "variance+procrustes [statistics=one-shot]")
+    assert methods.label_of(cell.prune) is None
+    assert (dense.method, dense.method_label) == ("original", "Original")  # nothing pruned: no option matters
+    stored_before_the_fix = {**cell.to_dict(), "method": "rcpu-rot", "method_label": "RCPU (Rot.)"}
+    assert methods.cell_label(stored_before_the_fix) == cell.method_label
+    (product_cell,) = [c for c in cells_of(tiny_raw([{"scorers": ["variance"], "compensators": ["procrustes"]}],
+                                                    prune={"statistics": "one-shot"}))]
+    assert product_cell.method_label == cell.method_label and product_cell.id == cell.id
+
+
+@pytest.mark.parametrize("name, value", [(o.name, o.choices[-1]) for o in options.OPTIONS
+                                         if o.recipe and o.kind == "choice"] + [("recollect_mlp", True)])
+def test_every_recipe_option_set_away_from_its_default_leaves_the_recipe(name, value):
+    (plain,) = cells_of(tiny_raw(["rcpu-rot"]))
+    (changed,) = cells_of(tiny_raw(["rcpu-rot"], prune={name: value}))
+    assert plain.method_label == "RCPU (Rot.)"
+    assert changed.method_label == f"variance+procrustes [{name}={value}]"
+
+
+def test_options_outside_a_recipe_keep_its_label():
+    (cell,) = cells_of(tiny_raw(["rcpu-rot"], prune={"batch_size": 2, "gram_precision": "float64",
+                                                     "compensator_params": {"solver": "svd"}}))
+    assert (cell.method, cell.method_label) == ("rcpu-rot", "RCPU (Rot.)")
+    (official,) = cells_of(tiny_raw(["rcpu-official"]))
+    assert official.method_label == "RCPU (Rot., official numerics)"
+
+
+def test_a_named_method_keeps_its_name():
+    (cell,) = cells_of(tiny_raw([{"name": "mine", "scorer": "variance", "compensator": "procrustes"}]))
+    assert (cell.method, cell.method_label) == ("custom", "mine")
+
+
+LEADERBOARD = Path(__file__).resolve().parent.parent / "results" / "leaderboard"
+
+
+def test_the_label_rule_and_the_id_rule_give_the_stored_leaderboard_labels_and_ids():
+    lines = [json.loads(line) for line in (LEADERBOARD / "records.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert lines
+    for line in lines:
+        cell = line["cell"]
+        assert matrix_cells.cell_id(cell) == line["cell_id"]
+        assert methods.cell_label(cell) == cell["method_label"]
+
+
+def test_cell_field_roles_are_the_old_lists():
+    assert set(matrix_cells.NOT_HASHED) == {"matrix", "model_label", "method", "method_label", "device",
+                                            "eval_batch_size"}
+    assert set(matrix_cells.RUN_FIELDS) == {"model", "revision", "ratio", "n_calib", "seqlen", "calib", "lam", "prune",
+                                     "dtype", "zeroshot_limit"}
+    assert matrix_cells.HASHED_WHEN_SET == {"zeroshot_limit": None}
+
+
+def test_readme_matrix_key_table_is_the_generated_one():
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    (table,) = re.findall(r"<!-- matrix-keys:[^\n]*-->\n(.*?)\n<!-- /matrix-keys -->", text, flags=re.S)
+    assert table == key_table()

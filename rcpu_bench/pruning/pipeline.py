@@ -15,71 +15,22 @@ from __future__ import annotations
 import resource
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from rcpu_bench.pruning.methods import MODULES
+from rcpu_bench.pruning.options import MODULES, PruneConfig
 from rcpu_bench.model.loading import decoder_layers, layer_geometry
 from rcpu_bench.registry import Registry, Resolved, default_registry
 from rcpu_bench.selection.scorers import unit_scores
-from rcpu_bench.selection.select import Rounding, Selection, n_pruned, select_by_score, select_within_groups
-from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, check_gram_precision, collect_input_stats
+from rcpu_bench.selection.select import Selection, select_by_score, select_within_groups
+from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
 from rcpu_bench.model.surgery import prune_attention, prune_mlp
 
 _PROJ = {"attention": "o_proj", "mlp": "down_proj"}
-
-
-@dataclass
-class PruneConfig:
-    """Everything that decides how a model is pruned; recorded verbatim with every result."""
-
-    scorer: str = "variance"
-    compensator: str = "procrustes"
-    ratio: float = 0.2
-    scorer_params: dict[str, Any] = field(default_factory=dict)
-    compensator_params: dict[str, Any] = field(default_factory=dict)
-    rounding: Rounding = "floor"
-    prune: tuple[str, ...] = MODULES
-    compensate: tuple[str, ...] = MODULES
-    gqa_rule: Literal["group", "query"] = "group"
-    head_aggregation: Literal["sum", "standardized-mean"] = "sum"
-    statistics: Literal["sequential", "one-shot"] = "sequential"
-    structure: Literal["uniform", "al-am"] = "uniform"
-    recollect_mlp: bool = False
-    offload: bool = False
-    batch_size: int = 8
-    gram_precision: GramPrecision = "mixed"  # G = Σ x xᵀ from float32 products ("mixed") or all float64 (stats.py)
-    model_method: str | None = None  # a registered whole-model method (e.g. slicegpt) instead of scorer × compensator
-    model_method_params: dict[str, Any] = field(default_factory=dict)
-
-    def validate(self, registry: Registry) -> None:
-        """Raise a clear error for any bad value before work starts."""
-        registry.scorer(self.scorer).validate(self.scorer_params)
-        registry.compensator(self.compensator).validate(self.compensator_params)
-        n_pruned(100, self.ratio, self.rounding)
-        if self.model_method is not None:
-            registry.get("model-method", self.model_method).validate(self.model_method_params)
-            if self.offload:
-                raise ValueError(f"offload=True is not supported with the whole-model method {self.model_method!r}")
-        choices = {"gqa_rule": ("group", "query"), "head_aggregation": ("sum", "standardized-mean"),
-                   "statistics": ("sequential", "one-shot"), "structure": ("uniform", "al-am")}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
-        for key in ("prune", "compensate"):
-            bad = set(getattr(self, key)) - set(MODULES)
-            if bad:
-                raise ValueError(f"{key} has unknown module(s) {sorted(bad)}; allowed: {', '.join(MODULES)}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
-        check_gram_precision(self.gram_precision)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

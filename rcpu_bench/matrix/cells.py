@@ -1,0 +1,122 @@
+"""A matrix cell (one experiment) and its id; the role of each of its fields is declared once.
+
+Roles: ``run`` fields define what a run computes (two stored cells with equal run fields are the same
+experiment, whatever they were asked to evaluate: :data:`RUN_FIELDS`, :func:`run_of`); ``request`` fields
+say what is evaluated; ``label`` fields only name things; ``execution`` fields say where and how it runs,
+which does not change the result. A cell id hashes the run and request fields (:attr:`Cell.id`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+from rcpu_bench.matrix.experiment import Experiment
+from rcpu_bench.paths import shared_dir
+from rcpu_bench.pruning import options
+from rcpu_bench.pruning.options import MODULES, PruneConfig
+
+SHARED = "${shared}"
+Role = Literal["run", "request", "label", "execution"]
+
+
+def expand_shared(model: str) -> str:
+    """``model`` with ``${shared}`` replaced by the shared fixtures directory."""
+    return model.replace(SHARED, str(shared_dir())) if SHARED in model else model
+
+
+def portable(model: str) -> str:
+    """A local path inside the shared fixtures directory written as ``${shared}/...`` (so cell ids match)."""
+    path = Path(model).expanduser()
+    try:
+        return f"{SHARED}/{path.resolve().relative_to(shared_dir().resolve()).as_posix()}" if path.exists() else model
+    except (ValueError, FileNotFoundError):
+        return model
+
+
+def _role(role: Role, *, unset: Any = ..., **default: Any) -> Any:
+    """A Cell field with its role; ``unset``: a field added after cells were stored is hashed only when set."""
+    return field(**default, metadata={"role": role, **({} if unset is ... else {"unset": unset})})
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One experiment of a matrix, as recorded in the store's ``cell`` field."""
+
+    matrix: str = _role("label")
+    model: str = _role("run")
+    model_label: str = _role("label")
+    revision: str | None = _role("run")
+    method: str = _role("label")  # the recipe key, or "custom"
+    method_label: str = _role("label")  # rcpu_bench.pruning.methods.method_label of the final configuration
+    ratio: float = _role("run")
+    n_calib: int = _role("run")
+    seqlen: int = _role("run")
+    calib: str = _role("run")
+    lam: float | None = _role("run")
+    prune: dict[str, Any] = _role("run")
+    ppl_profiles: tuple[str, ...] = _role("request")
+    eval: tuple[str, ...] = _role("request")
+    dtype: str = _role("run")
+    device: str = _role("execution")
+    eval_batch_size: int = _role("execution", default=8)
+    zeroshot_limit: int | None = _role("run", unset=None, default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The cell as JSON data (tuples as lists), as the store records it."""
+        return json.loads(json.dumps(asdict(self)))
+
+    @cached_property
+    def id(self) -> str:
+        """sha256 of the canonical JSON of what the cell computes (its run and request fields), 16 hex digits."""
+        return cell_id(self.to_dict())
+
+    def prune_config(self) -> PruneConfig:
+        return options.from_dict(self.prune)
+
+    def experiment(self) -> Experiment:
+        return Experiment(model=expand_shared(self.model), prune=self.prune_config(), calib=self.calib,
+                          ppl_profiles=self.ppl_profiles, revision=self.revision, dtype=self.dtype, device=self.device,
+                          eval_batch_size=self.eval_batch_size)
+
+    def method_name(self) -> str:
+        """The method's label, with the compensated modules when not all of them (the ablation)."""
+        compensate = tuple(self.prune["compensate"])
+        if compensate == MODULES:
+            return self.method_label
+        return f"{self.method_label} [compensate: {','.join(compensate) or 'none'}]"
+
+    def describe(self) -> str:
+        """Model, method, ratio, N and λ in one line."""
+        lam = f" λ={self.lam:g}" if self.lam is not None else ""
+        return f"{self.model_label} | {self.method_name()} | ρ={self.ratio:g} N={self.n_calib}{lam}"
+
+
+ROLES: dict[str, Role] = {f.name: f.metadata["role"] for f in fields(Cell)}
+RUN_FIELDS: tuple[str, ...] = tuple(name for name, role in ROLES.items() if role == "run")
+HASHED: tuple[str, ...] = tuple(name for name, role in ROLES.items() if role in ("run", "request"))
+NOT_HASHED: tuple[str, ...] = tuple(name for name in ROLES if name not in HASHED)
+HASHED_WHEN_SET: dict[str, Any] = {f.name: f.metadata["unset"] for f in fields(Cell) if "unset" in f.metadata}
+
+
+def run_of(cell: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a (stored) cell that define what its run computes."""
+    return {name: value for name, value in cell.items() if name in RUN_FIELDS}
+
+
+def _drop_unset(config: Mapping[str, Any], unset: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if not (k in unset and v == unset[k])}
+
+
+def cell_id(cell: Mapping[str, Any]) -> str:
+    """The id of a cell given as its stored JSON data: sha256 of the canonical JSON of its hashed fields, with
+    the fields (and options) added after cells were stored left out while they hold their unset value."""
+    config = _drop_unset({k: v for k, v in cell.items() if k in HASHED}, HASHED_WHEN_SET)
+    config["prune"] = _drop_unset(config["prune"], options.HASHED_WHEN_SET)
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -1,0 +1,213 @@
+"""What a matrix lists: its models, its method entries and its calibration grid, each declared as keys.
+
+A *method entry* (see the glossary of :mod:`rcpu_bench.pruning.methods`) is a recipe key, a named custom
+configuration or a scorers × compensators product; each resolves to :class:`MethodSpec` s, the option
+values of one method without the ratio. The cell's key and label come later, from its final configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from itertools import product
+from typing import Any
+
+from rcpu_bench import data
+from rcpu_bench.matrix.cells import SHARED, portable
+from rcpu_bench.matrix.experiment import DEFAULT_CALIB
+from rcpu_bench.matrix.schema import (
+    REQUIRED,
+    Key,
+    MatrixError,
+    checked,
+    error_message,
+    integer,
+    items,
+    listed,
+    optional,
+    read_keys,
+    text,
+)
+from rcpu_bench.pruning import options
+from rcpu_bench.pruning.methods import RECIPES
+from rcpu_bench.registry import Registry
+
+DENSE = "original"
+ALL = "all"
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model of the matrix: a local directory (``${shared}`` allowed) or a hub id, its label and revision."""
+
+    model: str
+    label: str
+    revision: str | None = None
+
+
+MODEL_KEYS = (Key("model", lambda where, value: portable(text(where, value)),
+                  f"a local directory or a hub id; {SHARED} is the shared fixtures directory"),
+              Key("label", text, "the name the tables show (default: the last part of the path)", None),
+              Key("revision", optional(text), "the hub revision, pinned and recorded", None))
+
+
+def read_model(where: str, entry: Any) -> ModelSpec:
+    """A ``models`` item: a path or hub id, or a mapping of MODEL_KEYS."""
+    entry = read_keys(where, {"model": entry} if isinstance(entry, str) else entry, MODEL_KEYS)
+    return ModelSpec(entry["model"], entry["label"] or entry["model"].rstrip("/").rsplit("/", 1)[-1],
+                     entry["revision"])
+
+
+# ----------------------------------------------------------------------------------------------- methods
+
+
+def read_option(where: str, name: str, value: Any) -> Any:
+    """An option's value from YAML (lists of modules as tuples), checked against its declaration."""
+    try:
+        return options.coerce(name, value)
+    except ValueError as error:
+        raise MatrixError(f"{where}: {error}") from None
+
+
+PRUNE_KEYS = tuple(Key(o.name, lambda where, value, name=o.name: read_option(where, name, value), o.help, o.default)
+                   for o in options.OPTIONS if o.name != "ratio")
+
+
+def read_prune(where: str, mapping: Any) -> dict[str, Any]:
+    """Options but the ratio (which comes from ``ratios``), as given (defaults are not filled in)."""
+    given = read_keys(where, mapping, PRUNE_KEYS)
+    return {name: value for name, value in given.items() if name in mapping}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A resolved method entry: the option values it sets (no ratio), the name a custom entry gave it."""
+
+    fields: dict[str, Any]
+    name: str | None = None
+
+    def with_fields(self, **changes: Any) -> MethodSpec:
+        return replace(self, fields={**self.fields, **changes})
+
+
+@dataclass(frozen=True)
+class RecipeEntry:
+    """A recipe of the paper by its key."""
+
+    key: str
+
+    def resolve(self, registry: Registry) -> list[MethodSpec]:
+        return [MethodSpec({k: v for k, v in RECIPES[self.key].prune.items() if k != "ratio"})]
+
+
+@dataclass(frozen=True)
+class CustomEntry:
+    """A named method given by its options."""
+
+    name: str
+    fields: dict[str, Any]
+
+    def resolve(self, registry: Registry) -> list[MethodSpec]:
+        return [MethodSpec(dict(self.fields), self.name)]
+
+
+@dataclass(frozen=True)
+class ProductEntry:
+    """Every scorer × every compensator of two lists (``all``: every registered one)."""
+
+    scorers: tuple[str, ...] | str
+    compensators: tuple[str, ...] | str
+
+    def resolve(self, registry: Registry) -> list[MethodSpec]:
+        scorers = self._names(self.scorers, registry.scorer, registry.methods("scorer"))
+        compensators = self._names(self.compensators, registry.compensator, registry.methods("compensator"))
+        return [MethodSpec({"scorer": s, "compensator": c}) for s, c in product(scorers, compensators)]
+
+    @staticmethod
+    def _names(names: tuple[str, ...] | str, lookup: Callable[[str], Any], registered: list[Any]) -> list[str]:
+        if names == ALL:
+            return [m.name for m in registered]
+        return [lookup(name).name for name in names]
+
+
+MethodEntry = RecipeEntry | CustomEntry | ProductEntry
+_METHOD_FORMS = ("a recipe key, a custom method {name, scorer, compensator, ...options} or a product "
+                 "{scorers, compensators}")
+
+
+def _names(where: str, value: Any) -> tuple[str, ...] | str:
+    """``all`` or a list of registered names."""
+    return value if value == ALL else tuple(text(f"{where}[{i}]", name) for i, name in enumerate(items(where, value)))
+
+
+CUSTOM_KEYS = (Key("name", text, "the label of the method's cells"),
+               *(replace(key, default=REQUIRED if key.name in ("scorer", "compensator") else key.default)
+                 for key in PRUNE_KEYS))
+PRODUCT_KEYS = (Key("scorers", _names, f"registered scorers, or {ALL}"),
+                Key("compensators", _names, f"registered compensators, or {ALL}"))
+
+
+def read_method(where: str, entry: Any) -> MethodEntry:
+    """A ``methods`` item in one of its three forms."""
+    if isinstance(entry, str):
+        if entry == DENSE:
+            raise MatrixError(f"{where}: {DENSE!r} is not a method to prune with; set include_dense: true")
+        allowed = [key for key in RECIPES if key != DENSE]
+        if entry not in allowed:
+            raise MatrixError(f"{where}: {entry!r} is not allowed; allowed: {', '.join(allowed)}")
+        return RecipeEntry(entry)
+    if isinstance(entry, dict) and "name" in entry:
+        given = read_keys(where, entry, CUSTOM_KEYS)
+        return CustomEntry(given["name"], {name: given[name] for name in entry if name != "name"})
+    if isinstance(entry, dict) and set(entry) & {key.name for key in PRODUCT_KEYS}:
+        given = read_keys(where, entry, PRODUCT_KEYS)
+        return ProductEntry(given["scorers"], given["compensators"])
+    raise MatrixError(f"{where}: {entry!r} is not a method; expected {_METHOD_FORMS}")
+
+
+def lambda_grid(config: dict[str, Any], registry: Registry) -> bool:
+    """Whether a method runs over the λ grid: its compensator takes ``lam`` and the method leaves it free."""
+    if config.get("model_method") is not None:
+        return False
+    compensator = registry.compensator(config.get("compensator", options.BY_NAME["compensator"].default))
+    return "lam" in compensator.params and "lam" not in config.get("compensator_params", {})
+
+
+def resolve(entry: MethodEntry, where: str, registry: Registry) -> list[MethodSpec]:
+    """An entry's specs; a registry lookup that fails names the entry."""
+    try:
+        return entry.resolve(registry)
+    except (KeyError, ValueError) as error:
+        raise MatrixError(f"{where}: {error_message(error)}") from None
+
+
+# ------------------------------------------------------------------------------------------- calibration
+
+
+@dataclass(frozen=True)
+class CalibGrid:
+    """Calibration windows from ``source``: one setting per size in ``n_calib``."""
+
+    source: str
+    n_calib: tuple[int, ...]
+    seqlen: int
+    seed: int
+
+    def spec(self, n_calib: int) -> str:
+        return str(data.CalibSpec(self.source, n_calib, self.seqlen, self.seed))
+
+
+_DEFAULT = data.parse_calib(DEFAULT_CALIB)
+CALIB_KEYS = (Key("source", text, "wikitext2, tinystories, tinystories[A:B] or file:PATH", _DEFAULT.source),
+              Key("n_calib", listed(integer(1)), "calibration sequences; a list runs each size",
+                  (_DEFAULT.n_samples,)),
+              Key("seqlen", integer(1), "tokens per calibration sequence", _DEFAULT.seqlen),
+              Key("seed", integer(0), "the sampling seed", _DEFAULT.seed))
+
+
+def read_calib(where: str, value: Any) -> CalibGrid:
+    grid = CalibGrid(**read_keys(where, value, CALIB_KEYS))
+    return checked(lambda g: g.spec(g.n_calib[0]), lambda _, g: g)(where, grid)
+

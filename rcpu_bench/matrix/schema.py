@@ -1,0 +1,156 @@
+"""The matrix schema as data: a :class:`Key` per allowed key (reader, default, help), and the readers.
+
+A reader takes ``(where, value)`` (``where`` is the dotted location, e.g. ``calib.seqlen``) and returns the
+value parsed, or raises :class:`MatrixError` naming the location, the bad value and what is allowed.
+:func:`read_keys` reads a whole mapping against its declared keys; :func:`markdown_table` renders the
+declaration for the README.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Reader = Callable[[str, Any], Any]
+REQUIRED = object()  # the default of a key that must be given
+
+
+class MatrixError(ValueError):
+    """A matrix (file or override) that does not validate; the message names the key or value and what is allowed."""
+
+
+def error_message(error: Exception) -> str:
+    """An exception's message (a KeyError's without the quotes str() adds)."""
+    return error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+
+
+@dataclass(frozen=True)
+class Key:
+    """An allowed key of a matrix mapping: its reader, its default (:data:`REQUIRED` when it must be given;
+    a default is used as it stands, not read), what it means, and the default as the README shows it."""
+
+    name: str
+    read: Reader
+    help: str
+    default: Any = REQUIRED
+    shown: str | None = None
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+def read_keys(where: str, mapping: Any, keys: Sequence[Key]) -> dict[str, Any]:
+    """``mapping`` read against ``keys``: unknown keys refused, required ones demanded, defaults filled in.
+
+    ``where`` locates the mapping in messages ("" for the matrix itself, whose keys are named bare)."""
+    allowed = [key.name for key in keys]
+    where_, where = where, where or "matrix"
+    if not isinstance(mapping, Mapping):
+        raise MatrixError(f"{where}: expected a mapping with keys {', '.join(allowed)}, got {mapping!r}")
+    for name in mapping:
+        if name not in allowed:
+            raise MatrixError(f"{where}: unknown key {name!r}; allowed keys: {', '.join(allowed)}")
+    out = {}
+    for key in keys:
+        if key.name in mapping:
+            out[key.name] = key.read(f"{where_}.{key.name}" if where_ else key.name, mapping[key.name])
+        elif key.required:
+            required = ", ".join(k.name for k in keys if k.required)
+            raise MatrixError(f"{where}: missing key {key.name!r} (required: {required})")
+        else:
+            out[key.name] = key.default
+    return out
+
+
+def markdown_table(keys: Sequence[Key]) -> str:
+    """A Markdown table of declared keys: name, meaning, default."""
+    rows = ["| key | meaning | default |", "|---|---|---|"]
+    for key in keys:
+        default = "required" if key.required else key.shown or f"`{_yaml(key.default)}`"
+        rows.append(f"| `{key.name}` | {key.help} | {default} |")
+    return "\n".join(rows)
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+# ----------------------------------------------------------------------------------------------- readers
+
+
+def text(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise MatrixError(f"{where}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def optional(read: Reader) -> Reader:
+    """``read``, or None for null."""
+    return lambda where, value: None if value is None else read(where, value)
+
+
+def number(where: str, value: Any) -> float:
+    """A number; numeric strings count too (YAML 1.1 reads 1e-2 without a dot as a string)."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise MatrixError(f"{where}: {value!r} is not a number") from None
+
+
+def integer(minimum: int) -> Reader:
+    def read(where: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise MatrixError(f"{where}: {value!r} is not an integer >= {minimum}")
+        return value
+    return read
+
+
+def flag(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise MatrixError(f"{where}: {value!r} is not allowed; allowed: true, false")
+    return value
+
+
+def choice(allowed: Iterable[str]) -> Reader:
+    allowed = tuple(allowed)
+
+    def read(where: str, value: Any) -> str:
+        if value not in allowed:
+            raise MatrixError(f"{where}: {value!r} is not allowed; allowed: {', '.join(allowed)}")
+        return value
+    return read
+
+
+def checked(check: Callable[[Any], Any], read: Reader = text) -> Reader:
+    """``read``, then a library check (dtype, device, profile), its error given the location."""
+    def checked_read(where: str, value: Any) -> Any:
+        value = read(where, value)
+        try:
+            check(value)
+        except (ValueError, KeyError, TypeError) as error:
+            raise MatrixError(f"{where}: {error_message(error)}") from None
+        return value
+    return checked_read
+
+
+def items(where: str, value: Any) -> list[Any]:
+    """A non-empty list (a single value counts as a list of one)."""
+    listed = value if isinstance(value, list) else [value]
+    if not listed or None in listed:
+        raise MatrixError(f"{where}: expected a non-empty list, got {value!r}")
+    return listed
+
+
+def listed(read: Reader) -> Reader:
+    """A non-empty list (a single value counts as one), each item read: a tuple."""
+    return lambda where, value: tuple(read(f"{where}[{i}]", item) for i, item in enumerate(items(where, value)))

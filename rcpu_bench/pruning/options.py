@@ -1,0 +1,258 @@
+"""The options of a pruning run, each declared once (:data:`OPTIONS`), and what is derived from the declaration.
+
+An :class:`Option` holds a :class:`PruneConfig` field's name, default, kind of value (which fixes how it is
+parsed and checked), allowed choices, help text, whether it enters a cell id always or only when set away
+from its default (options added after results were stored, so that stored ids stay valid) and whether it
+belongs to a recipe's identity (:func:`rcpu_bench.pruning.methods.recipe_of`: a run is a paper recipe only
+when every such option it does not set keeps its default). From the declaration come the dataclass
+:class:`PruneConfig` (its fields and defaults), :meth:`PruneConfig.validate`, the ``rcpu-bench prune`` flags
+(:func:`add_arguments`, :func:`from_args`), the YAML reader of the matrices (:func:`coerce`), the README's
+option table (:func:`markdown_table`) and the cell-id rule (:data:`HASHED_WHEN_SET`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_type_hints
+
+from rcpu_bench.selection.select import Rounding, n_pruned
+from rcpu_bench.statistics.activations import GramPrecision
+
+if TYPE_CHECKING:
+    from rcpu_bench.registry import Registry
+
+MODULES = ("attention", "mlp")  # the prunable modules of a decoder layer: heads (o_proj) and channels (down_proj)
+
+Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a run: a PruneConfig field, the ``--flag`` of ``rcpu-bench prune`` and a matrix ``prune:`` key.
+
+    ``kind``: ``name`` a registered method's name (checked against the registry), ``params`` its keyword
+    parameters (``--x-param K=V``, repeatable), ``ratio`` a number in [0, 1), ``choice`` one of ``choices``,
+    ``modules`` a subset of :data:`MODULES`, ``flag`` a boolean, ``count`` an integer >= 1.
+    """
+
+    name: str
+    kind: Kind
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    hashed: Literal["always", "when-set"] = "always"
+    recipe: bool = False
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag: ``--scorer-param`` for ``scorer_params``, else the name with dashes."""
+        return "--" + (self.name.removesuffix("s") if self.kind == "params" else self.name).replace("_", "-")
+
+    @property
+    def allowed(self) -> str:
+        """The allowed values in words, for errors and the README."""
+        return {"name": "a registered name (rcpu-bench plugins)", "params": "a mapping of parameters",
+                "ratio": "a number in [0, 1)", "choice": ", ".join(self.choices),
+                "modules": f"a subset of {', '.join(MODULES)}", "flag": "true, false",
+                "count": "an integer >= 1"}[self.kind]
+
+    def check(self, value: Any) -> None:
+        """Raise ValueError naming the option, the bad value and what is allowed; registry names are not looked up."""
+        if not _valid(self, value):
+            unknown = sorted(set(value) - set(MODULES)) if self.kind == "modules" and isinstance(value, tuple) else []
+            what = f"has unknown module(s) {unknown}" if unknown else "is not allowed"
+            raise ValueError(f"{self.name}={value!r} {what}; allowed: {self.allowed}")
+        if self.kind == "ratio":
+            n_pruned(100, value)
+
+
+def _valid(option: Option, value: Any) -> bool:
+    kind = option.kind
+    if kind == "name":
+        return (value is None and option.default is None) or (isinstance(value, str) and bool(value))
+    if kind == "params":
+        return isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
+    if kind == "ratio":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "choice":
+        return value in option.choices
+    if kind == "modules":
+        return isinstance(value, tuple) and set(value) <= set(MODULES) and len(set(value)) == len(value)
+    if kind == "flag":
+        return isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def option(kind: Kind, default: Any, help: str, *, hashed: Literal["always", "when-set"] = "always",
+           recipe: bool = False) -> Any:
+    """A PruneConfig field declared as an option; its name, type and (for a ``Literal``) choices come from the field."""
+    metadata = {"option": {"kind": kind, "help": help, "hashed": hashed, "recipe": recipe}}
+    if kind == "params":
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class PruneConfig:
+    """Everything that decides how a model is pruned; recorded verbatim with every result."""
+
+    scorer: str = option("name", "variance", "a registered scorer: which heads / channels to prune", recipe=True)
+    compensator: str = option("name", "procrustes", "a registered compensator: how the kept weights absorb the "
+                              "pruning error", recipe=True)
+    ratio: float = option("ratio", 0.2, "structural ratio ρ ∈ [0, 1): ⌊ρ·units⌋ heads (or key/value groups) "
+                          "and channels pruned per layer")
+    scorer_params: dict[str, Any] = option("params", {}, "the scorer's parameters, e.g. activation='mean-abs'")
+    compensator_params: dict[str, Any] = option("params", {}, "the compensator's parameters, e.g. lam=1e-2, "
+                                                "dtype='float32'")
+    rounding: Rounding = option("choice", "floor", "units pruned: ⌊ρ·n⌋ as the official code (floor) or ⌈ρ·n⌉ as "
+                                "the paper's text (ceil)", recipe=True)
+    prune: tuple[str, ...] = option("modules", MODULES, "modules to prune, comma-separated, or none")
+    compensate: tuple[str, ...] = option("modules", MODULES, "pruned modules to compensate, comma-separated, or "
+                                         "none; the paper's ablation compensates one of them")
+    gqa_rule: Literal["group", "query"] = option("choice", "group", "group: prune whole key/value groups; query: "
+                                                 "the same number of query heads in every group", recipe=True)
+    head_aggregation: Literal["sum", "standardized-mean"] = option(
+        "choice", "sum", "head score = sum of its column scores (RCPU) or mean of standardized scores (FLAP)",
+        recipe=True)
+    statistics: Literal["sequential", "one-shot"] = option(
+        "choice", "sequential", "statistics from the already pruned model (RCPU), or from the dense model (FLAP)",
+        recipe=True)
+    structure: Literal["uniform", "al-am"] = option(
+        "choice", "uniform", "uniform ratio per layer, or FLAP's global adaptive structure", recipe=True)
+    recollect_mlp: bool = option("flag", False, "re-collect down_proj statistics after attention is pruned (not "
+                                 "RCPU's default)", recipe=True)
+    offload: bool = option("flag", False, "keep only the current layer on the device")
+    batch_size: int = option("count", 8, "calibration sequences per forward pass (does not change the result)")
+    gram_precision: GramPrecision = option(
+        "choice", "mixed", "G = Σ x xᵀ from float32 block products summed into float64 (mixed: about 3-4x faster "
+        "on CPU, relative error ~1e-7), or every product in float64", hashed="when-set")
+    model_method: str | None = option("name", None, "a registered whole-model method (e.g. slicegpt) instead of "
+                                      "scorer × compensator", hashed="when-set", recipe=True)
+    model_method_params: dict[str, Any] = option("params", {}, "the whole-model method's parameters, e.g. "
+                                                 "budget='params'", hashed="when-set", recipe=True)
+
+    def validate(self, registry: Registry) -> None:
+        """Raise a clear error for any bad value before work starts: each option's own check, then the registry's."""
+        for option in OPTIONS:
+            option.check(getattr(self, option.name))
+        registry.scorer(self.scorer).validate(self.scorer_params)
+        registry.compensator(self.compensator).validate(self.compensator_params)
+        if self.model_method is not None:
+            registry.get("model-method", self.model_method).validate(self.model_method_params)
+            if self.offload:
+                raise ValueError(f"offload=True is not supported with the whole-model method {self.model_method!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _declared() -> tuple[Option, ...]:
+    """The options as declared by PruneConfig's fields; a ``Literal`` type gives a choice's allowed values."""
+    hints = get_type_hints(PruneConfig)
+    return tuple(Option(name=f.name, default={} if f.default is MISSING else f.default,
+                        choices=get_args(hints[f.name]) if f.metadata["option"]["kind"] == "choice" else (),
+                        **f.metadata["option"]) for f in fields(PruneConfig))
+
+
+OPTIONS: tuple[Option, ...] = _declared()
+BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
+# Options added after results were stored, with their default: a cell id hashes them only when set away from it.
+HASHED_WHEN_SET: dict[str, Any] = {o.name: o.default for o in OPTIONS if o.hashed == "when-set"}
+# The options that make a run another recipe when set away from their default (method labels, plots).
+RECIPE_OPTIONS: tuple[str, ...] = tuple(o.name for o in OPTIONS if o.recipe)
+
+
+def is_default_pipeline(config: Mapping[str, Any]) -> bool:
+    """Whether a configuration runs the RCPU pipeline: every recipe option but the scorer and compensator at its
+    default (what the plots compare: scorer × compensator on the same pipeline)."""
+    return all(config.get(name, BY_NAME[name].default) == BY_NAME[name].default
+               for name in RECIPE_OPTIONS if name not in ("scorer", "compensator"))
+
+
+def coerce(name: str, value: Any) -> Any:
+    """A stored or YAML value of option ``name`` as the field's type (lists of modules as tuples), checked."""
+    if name not in BY_NAME:
+        raise KeyError(f"unknown option {name!r}; options: {', '.join(BY_NAME)}")
+    option = BY_NAME[name]
+    if option.kind == "modules" and isinstance(value, (list, tuple, str)):
+        value = tuple([value] if isinstance(value, str) else value)
+    option.check(value)
+    return value
+
+
+def from_dict(mapping: Mapping[str, Any]) -> PruneConfig:
+    """A PruneConfig from a mapping of options (as recorded, or read from YAML), each coerced and checked."""
+    return PruneConfig(**{name: coerce(name, value) for name, value in mapping.items()})
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def parse_param(pair: str) -> tuple[str, Any]:
+    """``key=value``; the value is a Python literal where it parses (1e-3, 'l2', True), else a string."""
+    key, sep, value = pair.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"bad parameter {pair!r}; expected KEY=VALUE")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def parse_modules(text: str) -> tuple[str, ...]:
+    """``attention,mlp``, one of them, or ``none``."""
+    names = tuple(n for n in text.split(",") if n) if text != "none" else ()
+    bad = [n for n in names if n not in MODULES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown module(s) {bad}; allowed: {', '.join(MODULES)} or none")
+    return names
+
+
+def _metavar(option: Option) -> str | None:
+    return {"name": "NAME", "params": "KEY=VALUE", "ratio": "RHO", "modules": "MODULES", "count": "N"}.get(option.kind)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per option (:attr:`Option.flag`); parameters are repeatable ``KEY=VALUE`` pairs."""
+    for option in OPTIONS:
+        kwargs: dict[str, Any] = {"dest": option.name, "help": option.help}
+        if option.kind == "flag":
+            kwargs["action"] = "store_true"
+        elif option.kind == "params":
+            kwargs.update(action="append", default=[], type=parse_param, metavar="KEY=VALUE")
+        else:
+            default = ",".join(option.default) if option.kind == "modules" else option.default  # parsed by argparse
+            kwargs.update(default=default, metavar=_metavar(option),
+                          type={"ratio": float, "count": int, "modules": parse_modules}.get(option.kind, str))
+            if option.kind == "choice":
+                kwargs.update(choices=option.choices, metavar=None)
+        parser.add_argument(option.flag, **kwargs)
+
+
+def from_args(args: argparse.Namespace) -> PruneConfig:
+    """The PruneConfig of parsed ``add_arguments`` flags (not yet validated against the registry)."""
+    values: dict[str, Any] = {o.name: dict(getattr(args, o.name)) if o.kind == "params" else getattr(args, o.name)
+                              for o in OPTIONS}
+    return PruneConfig(**values)
+
+
+# ------------------------------------------------------------------------------------------------ README
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def markdown_table() -> str:
+    """The README's table of ``rcpu-bench prune``'s run options, one row per option."""
+    rows = ["| option | meaning | default |", "|---|---|---|"]
+    for option in OPTIONS:
+        value = "" if option.kind == "flag" else f" {_metavar(option) or '|'.join(option.choices)}"
+        default = "" if option.kind in ("params", "flag") else f"`{_shown(option.default)}`"
+        rows.append(f"| `{option.flag}{value.replace('|', chr(92) + '|')}` | {option.help} | {default} |")
+    return "\n".join(rows)

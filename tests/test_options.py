@@ -1,0 +1,101 @@
+"""Each option of a run is declared once (rcpu_bench.pruning.options); validation, flags and the README follow."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from rcpu_bench.cli import build_parser
+from rcpu_bench.pruning import options
+from rcpu_bench.pruning.options import MODULES, OPTIONS, PruneConfig
+from rcpu_bench.registry import default_registry
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_option_table_is_the_generated_one():
+    text = README.read_text(encoding="utf-8")
+    (table,) = re.findall(r"<!-- prune-options:[^\n]*-->\n(.*?)\n<!-- /prune-options -->", text, flags=re.S)
+    assert table == options.markdown_table()
+
+
+def test_the_declaration_is_prune_config():
+    assert [o.name for o in OPTIONS] == [f.name for f in fields(PruneConfig)]
+    config = PruneConfig()
+    assert {o.name: o.default for o in OPTIONS} == config.to_dict() | {"prune": MODULES, "compensate": MODULES}
+    config.validate(default_registry())
+    assert options.BY_NAME["statistics"].choices == ("sequential", "one-shot")
+    assert options.BY_NAME["gram_precision"].choices == ("mixed", "float64")
+
+
+BAD = {"ratio": 1.0, "rounding": "round", "prune": ("attention", "heads"), "compensate": ["mlp"],
+       "gqa_rule": "heads", "head_aggregation": "max", "statistics": "twice", "structure": "global",
+       "recollect_mlp": "yes", "offload": 1, "batch_size": 0, "gram_precision": "float16", "scorer_params": [1],
+       "model_method": ""}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_validate_names_the_bad_value_and_what_is_allowed(name):
+    option = options.BY_NAME[name]
+    with pytest.raises(ValueError) as error:
+        PruneConfig(**{name: BAD[name]}).validate(default_registry())
+    message = str(error.value)
+    assert name in message or "ratio" in message
+    assert repr(BAD[name]) in message or str(BAD[name]) in message
+    for choice in option.choices:
+        assert choice in message
+
+
+def test_every_option_has_a_bad_value_tested_or_is_a_registered_name():
+    assert set(BAD) | {"scorer", "compensator", "compensator_params", "model_method_params"} == set(options.BY_NAME)
+
+
+def test_flags_give_the_config_they_spell():
+    args = build_parser().parse_args([
+        "prune", "--scorer", "wanda-sp", "--compensator", "ridge", "--compensator-param", "lam=1e-2",
+        "--compensator-param", "dtype=float32", "--ratio", "0.3", "--rounding", "ceil", "--prune", "mlp",
+        "--compensate", "none", "--gqa-rule", "query", "--head-aggregation", "standardized-mean",
+        "--statistics", "one-shot", "--structure", "al-am", "--recollect-mlp", "--offload", "--batch-size", "4",
+        "--gram-precision", "float64", "--model-method", "slicegpt", "--model-method-param", "budget='params'"])
+    assert options.from_args(args) == PruneConfig(
+        scorer="wanda-sp", compensator="ridge", ratio=0.3, compensator_params={"lam": 1e-2, "dtype": "float32"},
+        rounding="ceil", prune=("mlp",), compensate=(), gqa_rule="query", head_aggregation="standardized-mean",
+        statistics="one-shot", structure="al-am", recollect_mlp=True, offload=True, batch_size=4,
+        gram_precision="float64", model_method="slicegpt", model_method_params={"budget": "params"})
+
+
+def test_no_flags_give_the_default_config():
+    assert options.from_args(build_parser().parse_args(["prune"])) == PruneConfig()
+
+
+@pytest.mark.parametrize("argv", [["--scorer-param", "novalue"], ["--prune", "heads"], ["--statistics", "twice"]])
+def test_bad_flags_stop_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["prune", *argv])
+    assert stop.value.code == 2
+    assert argv[1] in capsys.readouterr().err
+
+
+def test_coerce_reads_yaml_lists_as_module_tuples_and_checks():
+    assert options.coerce("prune", ["mlp"]) == ("mlp",)
+    assert options.coerce("compensate", []) == ()
+    assert options.from_dict({"compensate": ["attention"], "ratio": 0.5}) == PruneConfig(compensate=("attention",),
+                                                                                        ratio=0.5)
+    with pytest.raises(KeyError, match="unknown option 'lambda'"):
+        options.coerce("lambda", 1.0)
+    with pytest.raises(ValueError, match="statistics='twice' is not allowed; allowed: sequential, one-shot"):
+        options.coerce("statistics", "twice")
+
+
+def test_options_added_after_stored_results_are_hashed_only_when_set():
+    assert options.HASHED_WHEN_SET == {"gram_precision": "mixed", "model_method": None, "model_method_params": {}}
+
+
+def test_the_default_pipeline_is_every_recipe_option_but_scorer_and_compensator_at_its_default():
+    assert options.is_default_pipeline(PruneConfig(scorer="wanda-sp", compensator="ridge", batch_size=2).to_dict())
+    for config in (PruneConfig(statistics="one-shot"), PruneConfig(structure="al-am"), PruneConfig(rounding="ceil"),
+                   PruneConfig(model_method="slicegpt")):
+        assert not options.is_default_pipeline(config.to_dict())
