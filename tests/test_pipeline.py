@@ -9,7 +9,8 @@ import torch
 from tiny_models import STORIES, STORIES_MHA, logits, needs_stories, tiny_config, tiny_model, tokens
 from transformers import LlamaForCausalLM
 
-from rcpu_bench.model.loading import layer_geometries, parameter_count
+from rcpu_bench.model.adapter import layer_geometries
+from rcpu_bench.model.loading import parameter_count
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import default_registry
 
