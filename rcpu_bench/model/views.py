@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from rcpu_bench.model.surgery import heads_of_columns
-from rcpu_bench.pruning.methods import MODULES
+from rcpu_bench.pruning.methods import MODULES  # re-exported by rcpu_bench.model for plugins
 from rcpu_bench.selection.select import Selection
 
 GQA_RULES = ("group", "query")
@@ -60,6 +60,7 @@ class LayerView(ABC):
     """One decoder layer seen through its family: projections, geometry, units, and the removal of units."""
 
     PROJECTIONS: dict[str, str]  # module → attribute name of its consumer, e.g. {"attention": "o_proj", ...}
+    PARTS: tuple[str, ...]  # the names of a plain layer's children (its blocks and norms)
 
     def __init__(self, layer: nn.Module):
         self.layer = layer
