@@ -20,7 +20,7 @@ from transformers import LlamaConfig, PretrainedConfig
 
 from rcpu_bench.model.hf_format import AUTO_MAP, PER_LAYER, RcpuLlamaConfig, RcpuLlamaForCausalLM
 from rcpu_bench.model.surgery import head_counts, rewrite_channels, rewrite_heads
-from rcpu_bench.model.views import LayerGeometry, LayerView, ModelView
+from rcpu_bench.model.views import LayerGeometry, LayerView, ModelView, check_module
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -92,14 +92,14 @@ class LlamaLayer(LayerView):
         return None
 
     def block(self, module: str) -> nn.Module:
-        return getattr(self.layer, self._BLOCKS[module])
+        return getattr(self.layer, self._BLOCKS[check_module(module)])
 
     def producers(self, module: str) -> tuple[nn.Linear, ...]:
         block = self.block(module)
         return tuple(getattr(block, name) for name in self._PRODUCERS[module])
 
     def norm(self, module: str) -> nn.Module:
-        return getattr(self.layer, self._NORMS[module])
+        return getattr(self.layer, self._NORMS[check_module(module)])
 
     @property
     def geometry(self) -> LayerGeometry:

@@ -99,16 +99,16 @@ class LayerView(ABC):
 
     def projection(self, module: str) -> nn.Linear:
         """The module's pruned projection (consumer), whose input columns the units are."""
-        return getattr(self.block(module), self.PROJECTIONS[_checked(module)])
+        return getattr(self.block(check_module(module)), self.PROJECTIONS[module])
 
     def bias_key(self, module: str) -> str:
         """The name under which saved manifests record whether the consumer has a bias (e.g. ``o_proj_bias``)."""
-        return f"{self.PROJECTIONS[_checked(module)]}_bias"
+        return f"{self.PROJECTIONS[check_module(module)]}_bias"
 
     def units(self, module: str, gqa_rule: str = "group") -> UnitMap:
         """Units of the attention consumer: key/value groups (head_dim × queries per group, rule "group") or query
         heads selected within their groups (rule "query"); of the MLP consumer: channels."""
-        if _checked(module) == "mlp":
+        if check_module(module) == "mlp":
             return UnitMap(1)
         if gqa_rule not in GQA_RULES:
             raise ValueError(f"gqa_rule={gqa_rule!r}; allowed: {', '.join(GQA_RULES)}")
@@ -120,7 +120,7 @@ class LayerView(ABC):
     def n_units(self, module: str) -> int:
         """Units of the module under the "group" rule: key/value groups, or channels."""
         geometry = self.geometry
-        return geometry.n_kv_heads if _checked(module) == "attention" else geometry.intermediate
+        return geometry.n_kv_heads if check_module(module) == "attention" else geometry.intermediate
 
     def unit_cost(self, module: str) -> float:
         """Weights removed with one unit ("group" rule): Σ over producers and consumer of their weights / units.
@@ -141,7 +141,7 @@ class LayerView(ABC):
         its new bias (None keeps the existing one). Attention: the kept columns must be whole query heads; a
         key/value head is kept iff any of its query heads is (``surgery.check_head_groups`` checks the rest).
         """
-        if _checked(module) == "mlp":
+        if check_module(module) == "mlp":
             self.prune_channels(columns.kept, weight, bias, physical=physical)
             return
         geometry = self.geometry
@@ -206,8 +206,8 @@ class ModelView(ABC):
         return [self.LAYER(layer) for layer in self.layers]
 
 
-def _checked(module: str) -> str:
-    """``module`` if it names a prunable module."""
+def check_module(module: str) -> str:
+    """``module`` if it names a prunable module (one of ``MODULES``), else ValueError."""
     if module not in MODULES:
         raise ValueError(f"unknown module {module!r}; allowed: {', '.join(MODULES)}")
     return module
