@@ -148,6 +148,18 @@ def test_query_rule_keeps_every_kv_head(stories):
 
 
 @needs_stories
+def test_query_rule_on_mha_prunes_each_head_with_its_kv_head(stories):
+    """Multi-head attention has groups of one: the "query" rule selects heads as the "group" rule does, and a pruned
+    query head takes its kv head along (before the adapter this raised "cannot be shared equally")."""
+    models = {rule: copy.deepcopy(stories["mha"]) for rule in ("query", "group")}
+    for rule, model in models.items():
+        prune_model(model, calib(512, n=4), PruneConfig(ratio=0.5, gqa_rule=rule), progress=False)
+    assert {(g.n_heads, g.n_kv_heads) for g in layer_geometries(models["query"])} == {(4, 4)}
+    group = models["group"].state_dict()
+    assert all(torch.equal(tensor, group[name]) for name, tensor in models["query"].state_dict().items())
+
+
+@needs_stories
 def test_modules_to_prune_and_compensate(stories):
     """The paper's ablation switches: prune attention only; compensate only the MLP."""
     dense = stories["mha"]
