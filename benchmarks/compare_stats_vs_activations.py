@@ -46,11 +46,11 @@ from tabulate import tabulate
 from torch import Tensor, nn
 from transformers import LlamaForCausalLM
 
-from rcpu_bench.model.loading import decoder_layers
-from rcpu_bench.pruning.pipeline import PruneConfig, Timer, capture_layer_inputs, prune_module, run_layer, unit_map
+from rcpu_bench.model import capture_layer_inputs, decoder_layers, layer_view, run_layer
+from rcpu_bench.pruning.pipeline import PruneConfig, Timer, prune_module
 from rcpu_bench.registry import default_registry
 from rcpu_bench.statistics.activations import GRAM_PRECISIONS, collect_input_stats
-from rcpu_bench.model.surgery import prune_attention, prune_mlp
+from rcpu_bench.selection.select import Selection
 
 SEED = 0
 RATIO = 0.2
@@ -95,7 +95,7 @@ def build_layer(spec: RunSpec) -> tuple[nn.Module, list]:
 
 
 def projection(layer: nn.Module, module: str) -> nn.Linear:
-    return getattr(layer.self_attn if module == "attention" else layer.mlp, MODULES[module])
+    return layer_view(layer).projection(module)
 
 
 def timed(fn: Callable[..., Any], timer: Timer, name: str) -> Callable[..., Any]:
@@ -112,6 +112,7 @@ def run_ours(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) -> dic
                          compensator_params={"lam": LAMBDA} if spec.compensator == "ridge" else {}, ratio=RATIO,
                          gram_precision=spec.gram_precision)
     config.validate(registry)
+    methods = registry.resolve(scorer=config.scorer, compensator=config.compensator)
     projections = {m: projection(layer, m) for m in MODULES}
     dense = {m: p.weight.detach().clone() for m, p in projections.items()} if spec.gram_error else {}
     with collect_input_stats(projections, gram_precision=spec.gram_precision) as stats, \
@@ -125,10 +126,10 @@ def run_ours(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) -> dic
     results: dict[str, Any] = {}
     for module in MODULES:
         module_timer = Timer(timer.device)
-        report = prune_module(layer, module, stats[module], config, registry, module_timer)
+        report = prune_module(layer, module, stats[module], config, methods, module_timer)
         for part, seconds in module_timer.seconds.items():
             timer.seconds[f"{MODULES[module]} {part}"] = seconds
-        mapping = unit_map(layer, module, config.gqa_rule)
+        mapping = layer_view(layer).units(module, config.gqa_rule)
         pruned_units = torch.tensor(report["pruned_units"], dtype=torch.long)
         results[module] = {"weight": projection(layer, module).weight.detach().cpu(),
                            "pruned_columns": columns_of(pruned_units, mapping.unit_size)}
@@ -211,7 +212,7 @@ def run_official(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) ->
     results: dict[str, Any] = {}
     for module in MODULES:
         name, weight = MODULES[module], projection(layer, module).weight.detach()
-        unit_size = unit_map(layer, module, "group").unit_size
+        unit_size = layer_view(layer).units(module, "group").unit_size
         with timer(f"{name} score"):
             pruned = official_pruned_columns(weight, stores[module], unit_size)
             kept_mask = torch.ones(weight.shape[1], dtype=torch.bool)
@@ -219,11 +220,7 @@ def run_official(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) ->
             kept = kept_mask.nonzero().squeeze(1).to(weight.device)
         with timer(f"{name} solve"):
             new_weight = official_solve(spec.compensator, weight, stores.pop(module), kept)
-        kept_units = kept[::unit_size] // unit_size
-        if module == "attention":
-            prune_attention(layer.self_attn, kept_units, kept_units, new_weight, None)
-        else:
-            prune_mlp(layer.mlp, kept, new_weight, None)
+        layer_view(layer).apply(module, Selection(kept, pruned), new_weight)
         results[module] = {"weight": new_weight.cpu(), "pruned_columns": pruned}
     return results
 

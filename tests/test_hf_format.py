@@ -10,7 +10,8 @@ import torch
 from tiny_models import STORIES, STORIES_MHA, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from rcpu_bench.model.loading import layer_geometries, load_model, parameter_count
+from rcpu_bench.model.adapter import layer_geometries
+from rcpu_bench.model.loading import load_model, parameter_count
 from rcpu_bench.model.persistence import CARD, MANIFEST, load_pruned, save_pruned
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 

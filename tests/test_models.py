@@ -9,9 +9,10 @@ from torch import nn
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, ViTConfig)
 
-from rcpu_bench.model.loading import (LayerGeometry, model_source, check_architecture, config_head_dim, decoder_layers,
-                               layer_geometries, layer_geometry, load_model, parameter_count, resolve_device,
-                               resolve_dtype)
+from rcpu_bench.model.adapter import check_architecture, decoder_layers, layer_geometries, layer_geometry
+from rcpu_bench.model.llama import config_head_dim
+from rcpu_bench.model.loading import load_model, model_source, parameter_count, resolve_device, resolve_dtype
+from rcpu_bench.model.views import LayerGeometry
 
 LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=32)
@@ -72,7 +73,7 @@ def test_config_head_dim_falls_back_to_hidden_over_heads():
 def test_geometry_rejects_rows_not_a_multiple_of_head_dim():
     layer = tiny_model(tiny_config()).model.layers[0]
     layer.self_attn.q_proj = nn.Linear(24, 10, bias=False)
-    with pytest.raises(ValueError, match="q_proj has 10 output rows, not a multiple of head_dim=6"):
+    with pytest.raises(ValueError, match="query projection has 10 output rows, not a multiple of head_dim=6"):
         layer_geometry(layer)
 
 
@@ -99,7 +100,7 @@ def test_other_architectures_are_rejected_with_what_is_supported():
 def test_missing_projection_is_named():
     model = tiny_model(tiny_config())
     del model.model.layers[2].mlp.up_proj
-    with pytest.raises(ValueError, match=r"layer 2 has no nn.Linear mlp.up_proj"):
+    with pytest.raises(ValueError, match=r"layer 2: no nn.Linear mlp.up_proj"):
         decoder_layers(model)
 
 

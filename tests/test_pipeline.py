@@ -9,7 +9,8 @@ import torch
 from tiny_models import STORIES, STORIES_MHA, logits, needs_stories, tiny_config, tiny_model, tokens
 from transformers import LlamaForCausalLM
 
-from rcpu_bench.model.loading import layer_geometries, parameter_count
+from rcpu_bench.model.adapter import layer_geometries
+from rcpu_bench.model.loading import parameter_count
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import default_registry
 
@@ -144,6 +145,18 @@ def test_query_rule_keeps_every_kv_head(stories):
     prune_model(model, calib(512, n=4), PruneConfig(ratio=0.5, gqa_rule="query"), progress=False)
     assert {(g.n_heads, g.n_kv_heads) for g in layer_geometries(model)} == {(4, 4)}
     assert torch.isfinite(logits(model, tokens(512, seed=3))).all()
+
+
+@needs_stories
+def test_query_rule_on_mha_prunes_each_head_with_its_kv_head(stories):
+    """Multi-head attention has groups of one: the "query" rule selects heads as the "group" rule does, and a pruned
+    query head takes its kv head along (before the adapter this raised "cannot be shared equally")."""
+    models = {rule: copy.deepcopy(stories["mha"]) for rule in ("query", "group")}
+    for rule, model in models.items():
+        prune_model(model, calib(512, n=4), PruneConfig(ratio=0.5, gqa_rule=rule), progress=False)
+    assert {(g.n_heads, g.n_kv_heads) for g in layer_geometries(models["query"])} == {(4, 4)}
+    group = models["group"].state_dict()
+    assert all(torch.equal(tensor, group[name]) for name, tensor in models["query"].state_dict().items())
 
 
 @needs_stories

@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rcpu_bench.model.loading import layer_geometries
+from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.paths import SHARED_ENV, shared_dir
-from rcpu_bench.model.surgery import mask_attention, mask_mlp, prune_attention, prune_mlp
+from rcpu_bench.model.llama import mask_attention, mask_mlp, prune_attention, prune_mlp
 
 
 def or_missing(lookup) -> Path:

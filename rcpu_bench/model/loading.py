@@ -1,9 +1,7 @@
-"""Loading LLaMA-family causal LMs and reading their (possibly pruned) structure.
+"""Loading supported causal LMs (the families of ``rcpu_bench.model.adapter``) with their provenance.
 
-A supported model is any ``LlamaForCausalLM``-shaped decoder (Llama, Mistral, Qwen2, ...): decoder
-layers at ``model.model.layers``, each with ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``
-as ``nn.Linear``. Nothing here assumes a layer count, a head size or a model name: the per-layer
-geometry is read from the current weight shapes, because layers differ after pruning.
+Nothing here assumes a layer count, a head size or a model name; the architecture is checked by the
+adapter on a weightless skeleton before any weights are read.
 """
 
 from __future__ import annotations
@@ -27,14 +25,11 @@ from transformers import (
 )
 from transformers.utils.hub import cached_file, extract_commit_hash
 
+from rcpu_bench.model.adapter import check_architecture, supported
+
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
                                   "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE = re.compile(r"^(cpu|mps|(cuda|xpu)(:\d+)?)$")
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-SUPPORTED = ("LlamaForCausalLM-shaped decoders (Llama, Mistral, Qwen2, ...): model.model.layers[i] with "
-             "self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj as nn.Linear, and self_attn.head_dim / "
-             "self_attn.num_key_value_groups")
 
 
 @dataclass
@@ -44,38 +39,6 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     provenance: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class LayerGeometry:
-    """Head and channel counts of one decoder layer, read from its current weight shapes."""
-
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate: int
-
-
-def layer_geometry(layer: nn.Module, head_dim: int | None = None) -> LayerGeometry:
-    """The current geometry of a decoder layer whose heads are ``head_dim`` wide.
-
-    ``head_dim`` defaults to the attention module's own, which transformers sets from the config
-    exactly as ``config_head_dim`` does.
-    """
-    head_dim = layer.self_attn.head_dim if head_dim is None else head_dim
-    n_heads, n_kv_heads = head_counts(layer.self_attn, head_dim)
-    return LayerGeometry(n_heads, n_kv_heads, head_dim, layer.mlp.gate_proj.out_features)
-
-
-def head_counts(attn: nn.Module, head_dim: int) -> tuple[int, int]:
-    """(query heads, key/value heads) of an attention module, from its q_proj and k_proj output rows."""
-    counts = []
-    for name in ("q_proj", "k_proj"):
-        rows = getattr(attn, name).out_features
-        if rows % head_dim:
-            raise ValueError(f"{name} has {rows} output rows, not a multiple of head_dim={head_dim}")
-        counts.append(rows // head_dim)
-    return counts[0], counts[1]
 
 
 def dtype_argument(dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -109,46 +72,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def config_head_dim(config: PretrainedConfig) -> int:
-    """The attention head size: ``config.head_dim`` when set, else hidden_size // num_attention_heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _architecture_problem(model: nn.Module) -> str | None:
-    """What makes ``model`` unsupported, or None."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        return "no decoder layers at model.model.layers"
-    for i, layer in enumerate(layers):
-        for block, names in (("self_attn", ATTENTION_PROJECTIONS), ("mlp", MLP_PROJECTIONS)):
-            module = getattr(layer, block, None)
-            missing = [n for n in names if not isinstance(getattr(module, n, None), nn.Linear)]
-            if missing:
-                return f"layer {i} has no nn.Linear {block}.{', '.join(missing)}"
-        if not all(hasattr(layer.self_attn, a) for a in ("head_dim", "num_key_value_groups")):
-            return f"layer {i}'s self_attn has no head_dim / num_key_value_groups attributes"
-    return None
-
-
-def check_architecture(model: nn.Module) -> None:
-    """Raise ValueError, naming the model class and what is supported, unless ``model`` is Llama-shaped."""
-    problem = _architecture_problem(model)
-    if problem:
-        raise ValueError(f"unsupported architecture {type(model).__name__}: {problem}; supported: {SUPPORTED}")
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a supported model."""
-    check_architecture(model)
-    return model.model.layers
-
-
-def layer_geometries(model: PreTrainedModel) -> list[LayerGeometry]:
-    """The current geometry of every decoder layer."""
-    head_dim = config_head_dim(model.config)
-    return [layer_geometry(layer, head_dim) for layer in decoder_layers(model)]
-
-
 def parameter_count(model: nn.Module) -> int:
     """Number of unique parameters: a tensor shared by several modules (tied embeddings) counts once."""
     return sum(p.numel() for p in model.parameters())  # parameters() yields each shared tensor once
@@ -176,7 +99,7 @@ def _check_supported(config: PretrainedConfig) -> None:
             skeleton = AutoModelForCausalLM.from_config(config)
     except ValueError:
         raise ValueError(f"unsupported architecture {architecture}: no causal-LM model for this config; "
-                         f"supported: {SUPPORTED}") from None
+                         f"supported: {supported()}") from None
     check_architecture(skeleton)
 
 

@@ -3,7 +3,8 @@
 A pruned model is saved as a directory with
 
 - ``model.safetensors``: the weights (tied embeddings stored once);
-- ``config.json``: the pruned model's config. A plain ``LlamaConfig`` when every layer has the same
+- ``config.json``: the pruned model's config, as its family (``rcpu_bench.model.adapter``) writes it; for
+  the Llama family a plain ``LlamaConfig`` when every layer has the same
   head and channel counts, no bias beyond the original config's, and a head count dividing the hidden
   size (transformers 5 rejects a LlamaConfig otherwise): then ``AutoModelForCausalLM.from_pretrained``
   loads it as it is. Otherwise an ``RcpuLlamaConfig`` with per-layer widths and biases, whose
@@ -37,14 +38,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_file
 from torch import Tensor, nn
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
-                          PreTrainedModel)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from rcpu_bench.model.hf_format import AUTO_MAP, PER_LAYER, RcpuLlamaConfig, RcpuLlamaForCausalLM, write_source
-from rcpu_bench.model.loading import (LoadedModel, config_head_dim, decoder_layers, dtype_argument, head_counts,
-                               layer_geometries, parameter_count, resolve_device, resolve_dtype)
 from rcpu_bench.matrix.records import library_versions
-from rcpu_bench.model.surgery import prune_attention, prune_mlp
+from rcpu_bench.model.adapter import model_view
+from rcpu_bench.model.hf_format import RcpuLlamaConfig, RcpuLlamaForCausalLM, write_source
+from rcpu_bench.model.loading import LoadedModel, dtype_argument, parameter_count, resolve_device, resolve_dtype
+from rcpu_bench.model.views import LayerView
+from rcpu_bench.pruning.methods import MODULES
 
 FORMAT = "rcpu-bench-pruned"
 FORMAT_VERSION = 2
@@ -53,42 +54,12 @@ MANIFEST = "rcpu_manifest.json"
 WEIGHTS = "model.safetensors"
 CARD = "README.md"
 CONFIG_KINDS = ("llama", "rcpu_llama", "original")
-# Keys of a saved config that describe the file, not the model: rebuilt for the config written.
-_FILE_KEYS = ("architectures", "auto_map", "model_type", "transformers_version", *PER_LAYER)
 
 
 def layer_records(model: PreTrainedModel) -> list[dict[str, Any]]:
-    """Per decoder layer: its geometry and whether o_proj / down_proj have a bias."""
-    return [{**asdict(geometry), "o_proj_bias": layer.self_attn.o_proj.bias is not None,
-             "down_proj_bias": layer.mlp.down_proj.bias is not None}
-            for geometry, layer in zip(layer_geometries(model), decoder_layers(model))]
-
-
-def pruned_config(config: PretrainedConfig, records: list[dict[str, Any]]) -> tuple[str, PretrainedConfig]:
-    """The config to save for a model of ``config`` whose layers are ``records``, and its kind.
-
-    ``"llama"``: a plain LlamaConfig (all layers alike, biases as the config's attention_bias / mlp_bias,
-    heads dividing hidden_size); ``"rcpu_llama"``: an RcpuLlamaConfig with per-layer lists; ``"original"``:
-    ``config`` itself, for a model that is not a Llama.
-    """
-    if config.model_type not in ("llama", RcpuLlamaConfig.model_type):
-        return "original", config
-    base = {k: v for k, v in config.to_dict().items() if k not in _FILE_KEYS}
-    base["head_dim"] = config_head_dim(config)
-    first = records[0]
-    plain = (all(record == first for record in records) and config.hidden_size % first["n_heads"] == 0
-             and first["o_proj_bias"] == base.get("attention_bias", False)
-             and first["down_proj_bias"] == base.get("mlp_bias", False))
-    if plain:
-        return "llama", LlamaConfig(**{**base, "num_attention_heads": first["n_heads"],
-                                        "num_key_value_heads": first["n_kv_heads"],
-                                        "intermediate_size": first["intermediate"]})
-    columns = ("n_heads", "n_kv_heads", "intermediate", "o_proj_bias", "down_proj_bias")  # in PER_LAYER's order
-    per_layer = {name: [record[column] for record in records] for name, column in zip(PER_LAYER, columns)}
-    remote = RcpuLlamaConfig(**base, **per_layer)
-    remote.auto_map = dict(AUTO_MAP)
-    remote.architectures = [RcpuLlamaForCausalLM.__name__]
-    return "rcpu_llama", remote
+    """Per decoder layer: its geometry and whether its attention / MLP consumers (o_proj, down_proj) have a bias."""
+    return [{**asdict(view.geometry), **{view.bias_key(m): view.projection(m).bias is not None for m in MODULES}}
+            for view in model_view(model).views()]
 
 
 def build_manifest(model: PreTrainedModel, method: dict | None = None, provenance: dict | None = None,
@@ -148,8 +119,7 @@ def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
 
     ``record`` (the experiment's result record) supplies the model card's calibration and perplexities.
     """
-    records = layer_records(model)
-    kind, config = pruned_config(model.config, records)
+    kind, config = model_view(model).saved_config(layer_records(model))
     manifest = build_manifest(model, method, provenance, kind)
     text = json.dumps(manifest, indent=2)  # a non-JSON method/provenance fails before anything is written
     card = model_card(manifest, record)
@@ -233,17 +203,21 @@ def _placeholder(linear: nn.Linear, *shape: int) -> Tensor:
     return torch.empty(linear.out_features, *shape, device="meta")
 
 
-def _reshape_layer(layer: nn.Module, record: dict[str, Any]) -> None:
+def _reshape_layer(view: LayerView, record: dict[str, Any]) -> None:
     """Shrink an unpruned layer to the manifest record's head and channel counts (weights are dummies)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    n_heads, n_kv_heads = head_counts(attn, attn.head_dim)
+    geometry = view.geometry
     kept_kv_heads = torch.arange(record["n_kv_heads"])
     per_group = torch.arange(record["n_heads"] // record["n_kv_heads"])
-    kept_heads = (kept_kv_heads[:, None] * (n_heads // n_kv_heads) + per_group).reshape(-1)
-    o_bias = _placeholder(attn.o_proj) if record["o_proj_bias"] and attn.o_proj.bias is None else None
-    prune_attention(attn, kept_heads, kept_kv_heads, _placeholder(attn.o_proj, len(kept_heads) * attn.head_dim), o_bias)
-    down_bias = _placeholder(mlp.down_proj) if record["down_proj_bias"] and mlp.down_proj.bias is None else None
-    prune_mlp(mlp, torch.arange(record["intermediate"]), _placeholder(mlp.down_proj, record["intermediate"]), down_bias)
+    kept_heads = (kept_kv_heads[:, None] * geometry.queries_per_group + per_group).reshape(-1)
+    kept_channels = torch.arange(record["intermediate"])
+    weights = {"attention": len(kept_heads) * geometry.head_dim, "mlp": len(kept_channels)}
+    weight, bias = {}, {}
+    for module in MODULES:
+        consumer = view.projection(module)
+        weight[module] = _placeholder(consumer, weights[module])
+        bias[module] = _placeholder(consumer) if record[view.bias_key(module)] and consumer.bias is None else None
+    view.prune_heads(kept_heads, kept_kv_heads, weight["attention"], bias["attention"])
+    view.prune_channels(kept_channels, weight["mlp"], bias["mlp"])
 
 
 def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtype: torch.dtype, *,
@@ -259,17 +233,17 @@ def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtyp
             model = RcpuLlamaForCausalLM._from_config(config, **dtype_argument(dtype))
         else:
             model = AutoModelForCausalLM.from_config(config, **dtype_argument(dtype))
-    layers = decoder_layers(model)
+    layers = model_view(model).views()
     if len(records) != len(layers):
         raise ValueError(f"{MANIFEST} describes {len(records)} layers but the config has {len(layers)}")
-    for i, (layer, record) in enumerate(zip(layers, records) if reshape else ()):
+    for i, (layer, record) in enumerate(zip(layers, records, strict=True) if reshape else ()):
         try:
             _reshape_layer(layer, record)
         except (KeyError, ValueError, ZeroDivisionError) as error:
             raise ValueError(f"{MANIFEST} layer {i} {record} does not fit the config: {error}") from error
     built = layer_records(model)
     if built != records:
-        bad = next(i for i, (a, b) in enumerate(zip(built, records)) if a != b)
+        bad = next(i for i, (a, b) in enumerate(zip(built, records, strict=True)) if a != b)
         raise ValueError(f"{MANIFEST} layer {bad} is {records[bad]} but the config builds {built[bad]}")
     return model
 

@@ -1,17 +1,17 @@
-"""Structured pruning of one attention block or MLP: physical removal, or same-shape masking.
+"""Structured pruning of one attention block or MLP, on its linears: physical removal, or same-shape masking.
 
-Both follow the coupling of methods-spec §3.1. Pruning query head h removes q_proj output rows
-[h·hd, (h+1)·hd) and the same o_proj input columns; pruning key/value head g removes those k_proj and
-v_proj rows; pruning MLP channel c removes gate_proj/up_proj row c and down_proj column c. The
-consumer (o_proj, down_proj) gets the caller's compensated weight over the kept columns, and a bias
-when one is given.
+Both follow the coupling of methods-spec §3.1. Pruning query head h removes the query projection's
+output rows [h·hd, (h+1)·hd) and the same columns of the output projection (the consumer); pruning
+key/value head g removes those rows of the key and value projections; pruning MLP channel c removes row c
+of the producers (gate, up) and column c of the consumer (down). The consumer gets the caller's
+compensated weight over the kept columns, and a bias when one is given.
 
-``prune_*`` slices the weights, so shapes shrink and the module keeps working (transformers ≥ 4.48
-reshapes with -1 and ``head_dim``; only ``num_key_value_groups`` has to follow the new head counts).
-``mask_*`` keeps every shape, zeroes what pruning would remove and writes the compensated weight into
-the kept columns: the reference for the physical version, and the ``--unstr``-style model. Both go
-through one helper, ``_rewrite``. The model's config is left as it was: after pruning, layers may
-differ from it and from each other, so read head counts from ``models.LayerGeometry``.
+``physical=True`` slices the weights, so shapes shrink; ``physical=False`` keeps every shape, zeroes
+what pruning would remove and writes the compensated weight into the kept columns: the reference for the
+physical version, and the ``--unstr``-style model. Both go through one helper, ``_rewrite``. Which
+linears play which part, and the module attributes that follow the new counts, are the family's
+(``rcpu_bench.model.llama``); the model's config is left as it was, so read head counts from
+``rcpu_bench.model.views.LayerGeometry``.
 
 Index tensors must be 1-D, non-empty, strictly increasing and in range. Weights and biases keep the
 dtype and device of the module they replace.
@@ -24,7 +24,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from rcpu_bench.model.loading import head_counts
 from rcpu_bench.selection.select import Selection
 
 
@@ -85,7 +84,7 @@ def _keep_rows(linear: nn.Linear, rows: Selection, physical: bool) -> None:
 
 
 def _set_columns(linear: nn.Linear, columns: Selection, weight: Tensor, bias: Tensor | None, physical: bool) -> None:
-    """Give a consumer (o_proj, down_proj) the compensated ``weight`` over its kept input columns.
+    """Give a consumer (the output or down projection) the compensated ``weight`` over its kept input columns.
 
     ``bias`` replaces the module's bias (adding one if it had none); None keeps the existing bias.
     """
@@ -110,60 +109,51 @@ def _rewrite(producers: Sequence[tuple[nn.Linear, Selection]], consumer: nn.Line
         _keep_rows(linear, rows, physical)
 
 
-def _attention(attn: nn.Module, kept_heads: Tensor, kept_kv_heads: Tensor, o_weight: Tensor, o_bias: Tensor | None,
-               *, physical: bool) -> int:
-    """Prune or mask query/kv heads of ``attn``; returns the new query heads per kv head."""
-    n_heads, n_kv_heads = head_counts(attn, attn.head_dim)
+def head_counts(queries: nn.Linear, keys: nn.Linear, head_dim: int) -> tuple[int, int]:
+    """(query heads, key/value heads): the output rows of a query and a key projection over ``head_dim``."""
+    counts = []
+    for name, linear in (("query", queries), ("key", keys)):
+        if linear.out_features % head_dim:
+            raise ValueError(f"the {name} projection has {linear.out_features} output rows, not a multiple of "
+                             f"head_dim={head_dim}")
+        counts.append(linear.out_features // head_dim)
+    return counts[0], counts[1]
+
+
+def heads_of_columns(columns: Tensor, head_dim: int) -> Tensor:
+    """The query heads whose columns [h·hd, (h+1)·hd) make up ``columns`` (sorted); ValueError if any is partial."""
+    if columns.numel() % head_dim:
+        raise ValueError(f"{columns.numel()} kept columns are not whole heads of head_dim={head_dim}")
+    blocks = columns.reshape(-1, head_dim)
+    heads = blocks[:, 0] // head_dim
+    if not torch.equal(blocks, heads[:, None] * head_dim + torch.arange(head_dim, device=columns.device)):
+        raise ValueError(f"kept columns {columns.tolist()} are not whole heads of head_dim={head_dim}")
+    return heads
+
+
+def rewrite_heads(queries: Sequence[nn.Linear], keys_values: Sequence[nn.Linear], consumer: nn.Linear, head_dim: int,
+                  kept_heads: Tensor, kept_kv_heads: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                  physical: bool = True) -> int:
+    """Prune (or mask) query and key/value heads; returns the new number of query heads per kv head.
+
+    The ``queries`` keep the rows of the kept query heads, the ``keys_values`` those of the kept kv heads, and
+    the ``consumer`` (o_proj) becomes d_out × len(kept_heads)·head_dim with ``weight`` (compensated, columns in
+    kept order) and ``bias`` if given. Whole kv groups may be pruned (MHA: groups of one), or every kv head
+    kept with the same number of query heads pruned in each group (``check_head_groups``).
+    """
+    n_heads, n_kv_heads = head_counts(queries[0], keys_values[0], head_dim)
     heads = _selection("kept_heads", kept_heads, n_heads)
     kv_heads = _selection("kept_kv_heads", kept_kv_heads, n_kv_heads)
     groups = check_head_groups(heads.kept, kv_heads.kept, n_heads // n_kv_heads)
-    q_rows, kv_rows = heads.columns(attn.head_dim), kv_heads.columns(attn.head_dim)
-    _rewrite([(attn.q_proj, q_rows), (attn.k_proj, kv_rows), (attn.v_proj, kv_rows)], attn.o_proj, q_rows,
-             o_weight, o_bias, physical=physical)
+    q_rows, kv_rows = heads.columns(head_dim), kv_heads.columns(head_dim)
+    producers = [(linear, q_rows) for linear in queries] + [(linear, kv_rows) for linear in keys_values]
+    _rewrite(producers, consumer, q_rows, weight, bias, physical=physical)
     return groups
 
 
-def prune_attention(attn: nn.Module, kept_heads: Tensor, kept_kv_heads: Tensor, o_weight: Tensor,
-                    o_bias: Tensor | None = None) -> None:
-    """Physically remove the query heads not in ``kept_heads`` and kv heads not in ``kept_kv_heads``.
-
-    q_proj keeps the rows of the kept query heads, k_proj/v_proj those of the kept kv heads, and
-    o_proj becomes d_out × len(kept_heads)·head_dim with weight ``o_weight`` (compensated, columns in
-    kept order) and bias ``o_bias`` if given. Whole kv groups may be pruned (MHA: groups of one), or
-    every kv head kept with the same number of query heads pruned in each group; the module's
-    ``num_key_value_groups`` is updated to len(kept_heads) // len(kept_kv_heads).
-    """
-    attn.num_key_value_groups = _attention(attn, kept_heads, kept_kv_heads, o_weight, o_bias, physical=True)
-
-
-def mask_attention(attn: nn.Module, kept_heads: Tensor, kept_kv_heads: Tensor, o_weight: Tensor,
-                   o_bias: Tensor | None = None) -> None:
-    """Same-shape counterpart of ``prune_attention``: zero the pruned q/k/v rows and o_proj columns.
-
-    ``o_weight`` is the same compensated d_out × len(kept_heads)·head_dim matrix that
-    ``prune_attention`` takes; it is written into o_proj's kept columns.
-    """
-    _attention(attn, kept_heads, kept_kv_heads, o_weight, o_bias, physical=False)
-
-
-def _mlp(mlp: nn.Module, kept: Tensor, down_weight: Tensor, down_bias: Tensor | None, *, physical: bool) -> None:
-    """Prune or mask intermediate channels of ``mlp``."""
-    channels = _selection("kept channels", kept, mlp.gate_proj.out_features)
-    _rewrite([(mlp.gate_proj, channels), (mlp.up_proj, channels)], mlp.down_proj, channels, down_weight, down_bias,
-             physical=physical)
-
-
-def prune_mlp(mlp: nn.Module, kept: Tensor, down_weight: Tensor, down_bias: Tensor | None = None) -> None:
-    """Physically keep only the intermediate channels ``kept``.
-
-    gate_proj/up_proj keep those output rows; down_proj becomes d_out × len(kept) with weight
-    ``down_weight`` (compensated, columns in kept order) and bias ``down_bias`` if given.
-    """
-    _mlp(mlp, kept, down_weight, down_bias, physical=True)
-    if hasattr(mlp, "intermediate_size"):
-        mlp.intermediate_size = len(kept)
-
-
-def mask_mlp(mlp: nn.Module, kept: Tensor, down_weight: Tensor, down_bias: Tensor | None = None) -> None:
-    """Same-shape counterpart of ``prune_mlp``: zero the pruned gate/up rows and down_proj columns."""
-    _mlp(mlp, kept, down_weight, down_bias, physical=False)
+def rewrite_channels(producers: Sequence[nn.Linear], consumer: nn.Linear, kept: Tensor, weight: Tensor,
+                     bias: Tensor | None = None, *, physical: bool = True) -> None:
+    """Prune (or mask) intermediate channels: the producers (gate, up) keep rows ``kept``, the consumer (down)
+    becomes d_out × len(kept) with ``weight`` (compensated, columns in kept order) and ``bias`` if given."""
+    channels = _selection("kept channels", kept, producers[0].out_features)
+    _rewrite([(linear, channels) for linear in producers], consumer, channels, weight, bias, physical=physical)

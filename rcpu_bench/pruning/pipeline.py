@@ -2,7 +2,7 @@
 
 For each decoder layer in turn:
   1. run the calibration inputs (outputs of the already pruned layers) through the dense layer while
-     forward hooks stream the input statistics of o_proj and down_proj;
+     forward hooks stream the input statistics of each module's pruned projection (o_proj, down_proj);
   2. score and select heads (or key/value groups) and MLP channels;
   3. compensate o_proj, then down_proj, both from that one dense pass (the official code's order);
   4. physically shrink the layer and re-run it to produce the next layer's inputs.
@@ -22,27 +22,14 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from rcpu_bench.model.adapter import decoder_layers, layer_view, model_view
+from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
+from rcpu_bench.model.views import UnitMap
 from rcpu_bench.pruning.options import MODULES, PruneConfig
-from rcpu_bench.model.loading import decoder_layers, layer_geometry
 from rcpu_bench.registry import Registry, Resolved, default_registry
 from rcpu_bench.selection.scorers import unit_scores
 from rcpu_bench.selection.select import Selection, select_by_score, select_within_groups
 from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
-from rcpu_bench.model.surgery import prune_attention, prune_mlp
-
-_PROJ = {"attention": "o_proj", "mlp": "down_proj"}
-
-
-@dataclass
-class LayerInput:
-    """One calibration batch as layer 0 receives it: hidden states plus the model's layer kwargs."""
-
-    hidden: Tensor
-    kwargs: dict[str, Any]
-
-
-class _Captured(Exception):
-    """Raised by the capture hook to stop the forward pass after layer 0's inputs are recorded."""
 
 
 class Timer:
@@ -64,102 +51,30 @@ class Timer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-@torch.no_grad()
-def capture_layer_inputs(model: nn.Module, input_ids: Tensor, batch_size: int, device: torch.device) -> list[LayerInput]:
-    """Record what layer 0 receives (hidden states, attention mask, position embeddings) per batch.
-
-    A pre-hook with kwargs captures the call and aborts the rest of the forward, which keeps working
-    across transformers versions that change the layer signature (position_embeddings since 4.48).
-    """
-    captured: list[LayerInput] = []
-
-    def hook(_module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        captured.append(LayerInput(hidden, {k: v for k, v in kwargs.items() if k != "past_key_values"}))
-        raise _Captured
-
-    handle = decoder_layers(model)[0].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for batch in input_ids.split(batch_size):
-            try:
-                model(batch.to(device), use_cache=False)
-            except _Captured:
-                pass
-    finally:
-        handle.remove()
-    return captured
-
-
-def _layer_output(output: Any) -> Tensor:
-    return output if isinstance(output, Tensor) else output[0]
-
-
-@torch.no_grad()
-def run_layer(layer: nn.Module, inputs: list[LayerInput]) -> list[Tensor]:
-    """The layer's outputs for every calibration batch."""
-    return [_layer_output(layer(x.hidden, **x.kwargs)) for x in inputs]
-
-
-@dataclass
-class UnitMap:
-    """How one module's prunable units map to its input columns (heads/groups for o_proj, channels for down_proj)."""
-
-    unit_size: int
-    group_size: int = 1  # query heads per key/value group ("query" GQA rule); 1 otherwise
-
-    def select(self, scores: Tensor, config: PruneConfig) -> Selection:
-        units = unit_scores(scores, self.unit_size, config.head_aggregation)
-        if self.group_size > 1:
-            return select_within_groups(units, self.group_size, config.ratio, config.rounding)
-        return select_by_score(units, config.ratio, config.rounding)
-
-
-def unit_map(layer: nn.Module, module: str, gqa_rule: str) -> UnitMap:
-    """Units of o_proj: kv groups (head_dim × queries per group) or query heads; of down_proj: channels."""
-    if module == "mlp":
-        return UnitMap(1)
-    geometry = layer_geometry(layer)
-    per_group = geometry.n_heads // geometry.n_kv_heads
-    if gqa_rule == "group":
-        return UnitMap(geometry.head_dim * per_group)
-    return UnitMap(geometry.head_dim, group_size=per_group)
-
-
-def _apply(layer: nn.Module, module: str, units: Selection, gqa_rule: str, weight: Tensor, bias: Tensor | None) -> None:
-    """Physically shrink the layer to the kept units, writing the compensated weight (and bias)."""
-    if module == "mlp":
-        prune_mlp(layer.mlp, units.kept, weight, bias)
-        return
-    geometry = layer_geometry(layer)
-    per_group = geometry.n_heads // geometry.n_kv_heads
-    if gqa_rule == "group":
-        kept_heads = units.columns(per_group).kept
-        kept_kv = units.kept
-    else:
-        kept_heads = units.kept
-        kept_kv = torch.arange(geometry.n_kv_heads, device=units.kept.device)
-    prune_attention(layer.self_attn, kept_heads, kept_kv, weight, bias)
-
-
-def _projection(layer: nn.Module, module: str) -> nn.Linear:
-    return getattr(layer.self_attn if module == "attention" else layer.mlp, _PROJ[module])
+def select_units(mapping: UnitMap, scores: Tensor, config: PruneConfig) -> Selection:
+    """Units to keep and prune from per-column ``scores``: lowest unit scores pruned, within GQA groups if any."""
+    units = unit_scores(scores, mapping.unit_size, config.head_aggregation)
+    if mapping.group_size > 1:
+        return select_within_groups(units, mapping.group_size, config.ratio, config.rounding)
+    return select_by_score(units, config.ratio, config.rounding)
 
 
 def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: PruneConfig, methods: Resolved,
                  timer: Timer, units: Selection | None = None) -> dict[str, Any]:
     """Score, select, compensate and shrink one module of one layer; returns its diagnostics."""
-    proj = _projection(layer, module)
-    mapping = unit_map(layer, module, config.gqa_rule)
+    view = layer_view(layer)
+    proj = view.projection(module)
+    mapping = view.units(module, config.gqa_rule)
     if units is None:
         with timer("score"):
             scores = methods.scorer(proj.weight, stats, **config.scorer_params)
-            units = mapping.select(scores, config)
+            units = select_units(mapping, scores, config)
     columns = units.columns(mapping.unit_size)
     compensator = methods.compensator_for(module in config.compensate)
     params = config.compensator_params if module in config.compensate else {}
     with timer("solve"):
         result = compensator(proj.weight, stats, columns.kept, columns.pruned, **params)
-    _apply(layer, module, units, config.gqa_rule, result.weight, result.bias)
+    view.apply(module, columns, result.weight, result.bias)
     return {"compensator": compensator.name, "units_total": len(units.kept) + len(units.pruned),
             "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info}
 
@@ -184,7 +99,8 @@ def _on_device(layer: nn.Module, device: torch.device, offload: bool):
 def _collect(layer: nn.Module, modules: list[str], inputs: list[LayerInput], gram_modules: list[str],
              gram_precision: GramPrecision = "mixed") -> tuple[dict[str, ActivationStats], list[Tensor]]:
     """One pass of the layer over the calibration inputs, streaming the chosen modules' statistics."""
-    projections = {m: _projection(layer, m) for m in modules}
+    view = layer_view(layer)
+    projections = {m: view.projection(m) for m in modules}
     with collect_input_stats(projections, with_gram=gram_modules, gram_precision=gram_precision) as stats:
         outputs = run_layer(layer, inputs)
     return stats, outputs
@@ -228,11 +144,12 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     for index, layer in enumerate(tqdm(layers, desc="pruning layers", disable=not progress)):
         timer = Timer(device)
         with _on_device(layer, device, config.offload):
-            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selections[index] if selections else None)
+            selection = selections[index] if selections else None
+            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selection)
             if config.statistics == "sequential":
                 with timer("forward"):
                     outputs = run_layer(layer, inputs)
-        inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs)]
+        inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
         reports.append({"layer": index, **report, "seconds": timer.seconds})
         for key, value in timer.seconds.items():
             totals.seconds[key] = totals.seconds.get(key, 0.0) + value
@@ -254,8 +171,7 @@ def _capture(model: nn.Module, calib_ids: Tensor, config: PruneConfig, device: t
     """Layer-0 inputs; with offloading only the embeddings (and rotary tables) visit the device."""
     if not config.offload:
         return capture_layer_inputs(model, calib_ids, config.batch_size, device)
-    base = model.model
-    front = [m for m in (base.embed_tokens, getattr(base, "rotary_emb", None)) if m is not None]
+    front = model_view(model).front
     for module in front:
         module.to(device)
     try:
@@ -292,24 +208,15 @@ class Unit(NamedTuple):
     index: int
 
 
-def _unit_cost(layer: nn.Module, module: str) -> float:
-    """Parameters removed with one unit: a kv group's q,k,v rows and o_proj columns, or an MLP channel's 3·d."""
-    hidden = _projection(layer, "attention").weight.shape[0]
-    if module == "mlp":
-        return 3.0 * hidden
-    geometry = layer_geometry(layer)
-    per_group = geometry.n_heads // geometry.n_kv_heads
-    return float((2 * per_group + 2) * geometry.head_dim * hidden)
-
-
 def _layer_units(layer: nn.Module, index: int, module: str, scores: Tensor, gqa_rule: str) -> list[Unit]:
     """AL-AM unit scores of one module: mean of standardized column scores (o_proj scores squared first)."""
-    mapping = unit_map(layer, module, gqa_rule)
+    view = layer_view(layer)
+    mapping = view.units(module, gqa_rule)
     if mapping.group_size > 1:
         raise ValueError("structure='al-am' prunes whole key/value groups; use gqa_rule='group'")
     if module == "attention":
         scores = scores.square()
-    cost = _unit_cost(layer, module)
+    cost = view.unit_cost(module)
     units = unit_scores(scores, mapping.unit_size, "standardized-mean")
     return [Unit(float(score), cost, index, module, u) for u, score in enumerate(units)]
 
@@ -330,9 +237,10 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
         with _on_device(layer, device, config.offload):
             stats, outputs = _collect(layer, modules, inputs, gram_modules=[])
             for module in modules:
-                scores = methods.scorer(_projection(layer, module).weight, stats[module], **config.scorer_params)
+                scores = methods.scorer(layer_view(layer).projection(module).weight, stats[module],
+                                        **config.scorer_params)
                 units += _layer_units(layer, index, module, scores, config.gqa_rule)
-        inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs)]
+        inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
     kept = _global_keep(units, config.ratio)
     n_layers = len(decoder_layers(model))
     return [{m: _selection([u for u in units if u.layer == i and u.module == m], kept) for m in modules}

@@ -17,11 +17,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from rcpu_bench.model.loading import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, decoder_layers
+from rcpu_bench.model import MODULES, LayerView, layer_view, model_view
 from rcpu_slicegpt.layers import LayerDims, SlicePlan
-
-_READ_ATTN = ("q_proj", "k_proj", "v_proj")
-_READ_MLP = ("gate_proj", "up_proj")
 
 
 def linear_parameters(linear: nn.Linear, *, in_features: int | None = None, out_features: int | None = None) -> int:
@@ -31,29 +28,30 @@ def linear_parameters(linear: nn.Linear, *, in_features: int | None = None, out_
     return n_out * n_in + (n_out if linear.bias is not None else 0)
 
 
-def _untouched_parameters(layer: nn.Module) -> int:
-    """Parameters of attention and MLP outside the seven projections (e.g. per-head q/k norms): kept as they are."""
-    projections = {id(p) for block, names in ((layer.self_attn, ATTENTION_PROJECTIONS), (layer.mlp, MLP_PROJECTIONS))
-                   for name in names for p in getattr(block, name).parameters()}
-    return sum(p.numel() for block in (layer.self_attn, layer.mlp) for p in block.parameters() if id(p) not in projections)
+def _untouched_parameters(view: LayerView) -> int:
+    """Parameters of attention and MLP outside their projections (e.g. per-head q/k norms): kept as they are."""
+    blocks = [view.block(module) for module in MODULES]
+    projections = {id(p) for module in MODULES for linear in (*view.producers(module), view.projection(module))
+                   for p in linear.parameters()}
+    return sum(p.numel() for block in blocks for p in block.parameters() if id(p) not in projections)
 
 
 def layer_parameters(layer: nn.Module, dims: LayerDims) -> int:
     """One sliced layer: q/k/v read d_in, o writes d_mid, gate/up read d_mid, down writes d_out, plus shortcuts."""
-    attn, mlp = layer.self_attn, layer.mlp
-    reads = sum(linear_parameters(getattr(attn, n), in_features=dims.attn_in) for n in _READ_ATTN)
-    reads += sum(linear_parameters(getattr(mlp, n), in_features=dims.mlp_in) for n in _READ_MLP)
-    writes = (linear_parameters(attn.o_proj, out_features=dims.mlp_in)
-              + linear_parameters(mlp.down_proj, out_features=dims.out))
+    view = layer_view(layer)
+    reads = sum(linear_parameters(linear, in_features=dims.attn_in) for linear in view.producers("attention"))
+    reads += sum(linear_parameters(linear, in_features=dims.mlp_in) for linear in view.producers("mlp"))
+    writes = (linear_parameters(view.projection("attention"), out_features=dims.mlp_in)
+              + linear_parameters(view.projection("mlp"), out_features=dims.out))
     shortcuts = dims.attn_in * dims.mlp_in + dims.mlp_in * dims.out
-    return reads + writes + shortcuts + _untouched_parameters(layer)
+    return reads + writes + shortcuts + _untouched_parameters(view)
 
 
 def sliced_parameter_count(model: nn.Module, plan: SlicePlan) -> int:
     """Parameters of ``model`` (dense or already sliced) once sliced to ``plan``: V·d_0 + Σ layers + d_L·V."""
-    layers = decoder_layers(model)
-    if len(layers) != len(plan.layers):
-        raise ValueError(f"the slice plan has {len(plan.layers)} layers; the model has {len(layers)}")
-    embedding = model.model.embed_tokens.num_embeddings * plan.embedding
-    body = sum(layer_parameters(layer, dims) for layer, dims in zip(layers, plan.layers))
-    return embedding + body + linear_parameters(model.lm_head, in_features=plan.head)
+    view = model_view(model)
+    if len(view.layers) != len(plan.layers):
+        raise ValueError(f"the slice plan has {len(plan.layers)} layers; the model has {len(view.layers)}")
+    embedding = view.embeddings.num_embeddings * plan.embedding
+    body = sum(layer_parameters(layer, dims) for layer, dims in zip(view.layers, plan.layers, strict=True))
+    return embedding + body + linear_parameters(view.lm_head, in_features=plan.head)

@@ -13,6 +13,7 @@ and o_proj / down_proj writing it. With nothing sliced the Q are orthogonal and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from torch import Tensor, nn
@@ -40,7 +41,7 @@ class SlicePlan:
         widths = [w for dims in self.layers for w in (dims.attn_in, dims.mlp_in, dims.out)]
         if not self.layers or not all(0 < w <= self.hidden_size for w in widths):
             raise ValueError(f"slice plan widths {widths} must lie in 1..{self.hidden_size}")
-        if any(a.out != b.attn_in for a, b in zip(self.layers, self.layers[1:])):
+        if any(a.out != b.attn_in for a, b in pairwise(self.layers)):
             raise ValueError("slice plan: each layer's output width must equal the next layer's input width")
 
     @property

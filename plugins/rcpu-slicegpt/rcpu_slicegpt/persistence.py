@@ -25,12 +25,32 @@ from typing import Any
 import torch
 from safetensors.torch import save_model
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
-from rcpu_bench.model.loading import LoadedModel, dtype_argument, parameter_count, resolve_dtype
-from rcpu_bench.model.persistence import MANIFEST, materialize, write_atomically
 from rcpu_bench.matrix.records import library_versions
-from rcpu_slicegpt.layers import RMSN, LayerDims, SlicedDecoderLayer, SlicePlan, set_weight
+from rcpu_bench.model import (
+    MANIFEST,
+    LoadedModel,
+    dtype_argument,
+    layer_view,
+    materialize,
+    model_view,
+    parameter_count,
+    resolve_dtype,
+    write_atomically,
+)
+from rcpu_slicegpt.layers import (
+    RMSN,
+    LayerDims,
+    SlicedDecoderLayer,
+    SlicePlan,
+    set_weight,
+)
 from rcpu_slicegpt.slicing import check_supported
 
 FORMAT = "rcpu-slicegpt"
@@ -41,7 +61,7 @@ WEIGHTS = "model.safetensors"
 
 def slice_plan(model: nn.Module) -> SlicePlan:
     """The residual widths of a sliced model, read from its layers."""
-    layers = model.model.layers
+    layers = model_view(model).layers
     if not all(isinstance(layer, SlicedDecoderLayer) for layer in layers):
         raise ValueError(f"{type(model).__name__} is not sliced: its layers are not SlicedDecoderLayer")
     return SlicePlan(model.config.hidden_size, tuple(layer.dims for layer in layers))
@@ -99,14 +119,15 @@ def _resize(linear: nn.Linear, *, in_features: int | None = None, out_features: 
 
 def _sliced_layer(layer: nn.Module, dims: LayerDims, config: PretrainedConfig) -> SlicedDecoderLayer:
     """The meta layer reshaped to ``dims``: q/k/v read d_in, o writes d_mid, gate/up read d_mid, down writes d_out."""
-    attn, mlp = layer.self_attn, layer.mlp
-    for linear in (attn.q_proj, attn.k_proj, attn.v_proj):
+    view = layer_view(layer)
+    for linear in view.producers("attention"):
         _resize(linear, in_features=dims.attn_in)
-    _resize(attn.o_proj, out_features=dims.mlp_in)
-    for linear in (mlp.gate_proj, mlp.up_proj):
+    _resize(view.projection("attention"), out_features=dims.mlp_in)
+    for linear in view.producers("mlp"):
         _resize(linear, in_features=dims.mlp_in)
-    _resize(mlp.down_proj, out_features=dims.out)
-    return SlicedDecoderLayer(attn, mlp, dims, hidden_size=config.hidden_size, eps=config.rms_norm_eps)
+    _resize(view.projection("mlp"), out_features=dims.out)
+    return SlicedDecoderLayer(view.block("attention"), view.block("mlp"), dims, hidden_size=config.hidden_size,
+                              eps=config.rms_norm_eps)
 
 
 def build_skeleton(config: PretrainedConfig, plan: SlicePlan, dtype: torch.dtype) -> PreTrainedModel:
@@ -114,14 +135,15 @@ def build_skeleton(config: PretrainedConfig, plan: SlicePlan, dtype: torch.dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **dtype_argument(dtype))
         check_supported(model)
-        if len(plan.layers) != len(model.model.layers) or plan.hidden_size != config.hidden_size:
+        view = model_view(model)
+        if len(plan.layers) != len(view.layers) or plan.hidden_size != config.hidden_size:
             raise ValueError(f"{SLICING_CONFIG} describes {len(plan.layers)} layers of width {plan.hidden_size}; "
-                             f"the config has {len(model.model.layers)} of width {config.hidden_size}")
+                             f"the config has {len(view.layers)} of width {config.hidden_size}")
         for index, dims in enumerate(plan.layers):
-            model.model.layers[index] = _sliced_layer(model.model.layers[index], dims, config)
-        set_weight(model.model.embed_tokens, _placeholder(config.vocab_size, plan.embedding))
-        _resize(model.lm_head, in_features=plan.head)
-        model.model.norm = RMSN(config.hidden_size, config.rms_norm_eps)
+            view.layers[index] = _sliced_layer(view.layers[index], dims, config)
+        set_weight(view.embeddings, _placeholder(config.vocab_size, plan.embedding))
+        _resize(view.lm_head, in_features=plan.head)
+        view.final_norm = RMSN(config.hidden_size, config.rms_norm_eps)
     return model.to(dtype)
 
 

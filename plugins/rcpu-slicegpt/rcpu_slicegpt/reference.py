@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from torch import Tensor, nn
 
-from rcpu_bench.model.loading import parameter_count
+from rcpu_bench.model import parameter_count
 from rcpu_slicegpt.slicing import parameter_report
 
 MODULE = "slicegpt"

@@ -35,13 +35,25 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rcpu_bench.model.loading import check_architecture, decoder_layers, parameter_count
-from rcpu_bench.pruning.pipeline import LayerInput, capture_layer_inputs
+from rcpu_bench.model import (
+    MODULES,
+    LayerInput,
+    ModelView,
+    capture_layer_inputs,
+    check_architecture,
+    model_view,
+    parameter_count,
+)
 from rcpu_slicegpt.accounting import sliced_parameter_count
-from rcpu_slicegpt.layers import RMSN, LayerDims, SlicedDecoderLayer, SlicePlan, set_weight
+from rcpu_slicegpt.layers import (
+    RMSN,
+    LayerDims,
+    SlicedDecoderLayer,
+    SlicePlan,
+    set_weight,
+)
 
 DAMPING = 0.01
-_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 SUPPORTED = ("pre-norm Llama-shaped decoders (Llama, Mistral, Qwen2, ...): layers of exactly self_attn, mlp, "
              "input_layernorm and post_attention_layernorm, RMSNorm norms (weight·x/rms(x)), nn.Embedding "
              "embeddings and an nn.Linear lm_head")
@@ -58,20 +70,20 @@ def _is_rms_norm(module: nn.Module, hidden_size: int) -> bool:
 
 def _support_problem(model: nn.Module) -> str | None:
     """What stops SliceGPT from handling ``model``, or None."""
-    d = model.config.hidden_size
-    if any(isinstance(layer, SlicedDecoderLayer) for layer in model.model.layers):
+    d, view = model.config.hidden_size, model_view(model)
+    if any(isinstance(layer, SlicedDecoderLayer) for layer in view.layers):
         return "it is already sliced"
-    if not isinstance(getattr(model.model, "embed_tokens", None), nn.Embedding):
-        return "no nn.Embedding at model.model.embed_tokens"
-    if not isinstance(getattr(model, "lm_head", None), nn.Linear):
-        return "no nn.Linear lm_head"
-    if not _is_rms_norm(getattr(model.model, "norm", None), d):
-        return "model.model.norm is not an RMSNorm"
-    for i, layer in enumerate(model.model.layers):
-        children = {name for name, _ in layer.named_children()}
-        if children != _LAYER_CHILDREN:
-            return f"layer {i} has modules {sorted(children)}; expected {sorted(_LAYER_CHILDREN)}"
-        if not all(_is_rms_norm(getattr(layer, n), d) for n in ("input_layernorm", "post_attention_layernorm")):
+    if not isinstance(view.embeddings, nn.Embedding):
+        return "the embeddings are not an nn.Embedding"
+    if not isinstance(view.lm_head, nn.Linear):
+        return "the LM head is not an nn.Linear"
+    if not _is_rms_norm(view.final_norm, d):
+        return "the final norm is not an RMSNorm"
+    for i, layer in enumerate(view.views()):
+        children = {name for name, _ in layer.layer.named_children()}
+        if children != set(layer.PARTS):
+            return f"layer {i} has modules {sorted(children)}; expected {sorted(layer.PARTS)}"
+        if not all(_is_rms_norm(layer.norm(module), d) for module in MODULES):
             return f"layer {i}'s norms are not RMSNorms of width {d}"
     return None
 
@@ -92,9 +104,10 @@ def _f64(tensor: Tensor) -> Tensor:
 
 
 def untie_lm_head(model: nn.Module) -> None:
-    """Give the LM head its own copy of a shared weight and stop ``tie_weights()`` (lm-eval's HFLM calls it) re-tying."""
-    if model.lm_head.weight is model.model.embed_tokens.weight:
-        set_weight(model.lm_head, model.lm_head.weight.detach().clone())
+    """Give the LM head its own copy of a shared weight; stop ``tie_weights()`` (lm-eval's HFLM calls it) re-tying."""
+    view = model_view(model)
+    if view.lm_head.weight is view.embeddings.weight:
+        set_weight(view.lm_head, view.lm_head.weight.detach().clone())
     model.config.tie_word_embeddings = False
     model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
 
@@ -187,30 +200,31 @@ def _principal_step(dense: list[Tensor], dim: int) -> tuple[Basis, Tensor, list[
     return basis, basis.kept(dim), [project(y, basis.kept(dim)) for y in dense]
 
 
-def _slice_layer(model: nn.Module, index: int, inputs: list[LayerInput], q_in: Tensor,
+def _slice_layer(model: ModelView, index: int, inputs: list[LayerInput], q_in: Tensor,
                  dims: LayerDims) -> tuple[Tensor, list[LayerInput], dict[str, Any]]:
     """Fuse, rotate and slice layer ``index`` in place; returns Q_out (sliced), the next inputs and diagnostics."""
-    layer = model.model.layers[index]
-    attn, mlp = layer.self_attn, layer.mlp
-    fold_norm(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj])
-    fold_norm(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])
-    sliced = SlicedDecoderLayer(attn, mlp, dims, hidden_size=model.config.hidden_size, eps=model.config.rms_norm_eps)
-    model.model.layers[index] = sliced
-    for linear in (attn.q_proj, attn.k_proj, attn.v_proj):
+    layer, config = model.layer(index), model.model.config
+    attn_reads, mlp_reads = layer.producers("attention"), layer.producers("mlp")
+    fold_norm(layer.norm("attention"), attn_reads)
+    fold_norm(layer.norm("mlp"), mlp_reads)
+    sliced = SlicedDecoderLayer(layer.block("attention"), layer.block("mlp"), dims, hidden_size=config.hidden_size,
+                                eps=config.rms_norm_eps)
+    model.layers[index] = sliced
+    for linear in attn_reads:
         rotate_input(linear, q_in)
     # h = x̃·Q_inᵀ + Attn(x̃) and y = h̃·Q_midᵀ + MLP(h̃) are the residual adds in the dense basis.
     mid_basis, q_mid, mids = _principal_step(
         [project(x.hidden, q_in.T) + sliced.attention_branch(x.hidden, **x.kwargs) for x in inputs], dims.mlp_in)
-    rotate_output(attn.o_proj, q_mid)
+    rotate_output(layer.projection("attention"), q_mid)
     set_shortcut(sliced.attn_shortcut, q_in, q_mid)
-    for linear in (mlp.gate_proj, mlp.up_proj):
+    for linear in mlp_reads:
         rotate_input(linear, q_mid)
     out_basis, q_out, outputs = _principal_step([project(h, q_mid.T) + sliced.mlp_branch(h) for h in mids], dims.out)
-    rotate_output(mlp.down_proj, q_out)
+    rotate_output(layer.projection("mlp"), q_out)
     set_shortcut(sliced.mlp_shortcut, q_mid, q_out)
     report = {"layer": index, "attn_in": dims.attn_in, "mlp_in": dims.mlp_in, "out": dims.out,
               "energy_kept_mid": mid_basis.energy_kept(dims.mlp_in), "energy_kept_out": out_basis.energy_kept(dims.out)}
-    return q_out, [LayerInput(y, x.kwargs) for y, x in zip(outputs, inputs)], report
+    return q_out, [LayerInput(y, x.kwargs) for y, x in zip(outputs, inputs, strict=True)], report
 
 
 @torch.no_grad()
@@ -218,9 +232,10 @@ def apply_plan(model: nn.Module, calib_ids: Tensor, plan: SlicePlan, *, batch_si
                center_embeddings: bool = False) -> dict[str, Any]:
     """Fuse, rotate and slice ``model`` in place to the widths of ``plan``; returns per-layer diagnostics."""
     check_supported(model)
-    if len(plan.layers) != len(model.model.layers) or plan.hidden_size != model.config.hidden_size:
+    view = model_view(model)
+    if len(plan.layers) != len(view.layers) or plan.hidden_size != model.config.hidden_size:
         raise ValueError(f"the slice plan ({len(plan.layers)} layers, d={plan.hidden_size}) does not fit the model "
-                         f"({len(model.model.layers)} layers, d={model.config.hidden_size})")
+                         f"({len(view.layers)} layers, d={model.config.hidden_size})")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     if calib_ids.ndim != 2 or calib_ids.numel() == 0:
@@ -228,20 +243,20 @@ def apply_plan(model: nn.Module, calib_ids: Tensor, plan: SlicePlan, *, batch_si
     started = time.perf_counter()
     untie_lm_head(model)
     if center_embeddings:
-        center_rows(model.model.embed_tokens)
-    device = model.model.embed_tokens.weight.device
+        center_rows(view.embeddings)
+    device = view.embeddings.weight.device
     captured = capture_layer_inputs(model, calib_ids, batch_size, device)
     basis = principal_basis([x.hidden for x in captured])
     q = basis.kept(plan.embedding)
-    rotate_embedding(model.model.embed_tokens, q)
+    rotate_embedding(view.embeddings, q)
     inputs = [LayerInput(project(x.hidden, q), x.kwargs) for x in captured]
     layers = []
     for index, dims in enumerate(plan.layers):
-        q, inputs, report = _slice_layer(model, index, inputs, q, dims)
+        q, inputs, report = _slice_layer(view, index, inputs, q, dims)
         layers.append(report)
-    fold_norm(model.model.norm, [model.lm_head])
-    model.model.norm = RMSN(model.config.hidden_size, model.config.rms_norm_eps)
-    rotate_input(model.lm_head, q)
+    fold_norm(view.final_norm, [view.lm_head])
+    view.final_norm = RMSN(model.config.hidden_size, model.config.rms_norm_eps)
+    rotate_input(view.lm_head, q)
     return {"embedding": plan.embedding, "energy_kept_embedding": basis.energy_kept(plan.embedding),
             "head": plan.head, "layers": layers, "seconds": time.perf_counter() - started}
 
@@ -267,7 +282,7 @@ def sliced_dim(hidden_size: int, sparsity: float, round_to: int = 8) -> int:
 
 def _uniform_plan(model: nn.Module, dim: int, slice_head: bool) -> SlicePlan:
     """Every layer of ``model`` sliced to ``dim`` (see ``SlicePlan.uniform``)."""
-    return SlicePlan.uniform(model.config.hidden_size, dim, len(decoder_layers(model)), slice_head=slice_head)
+    return SlicePlan.uniform(model.config.hidden_size, dim, len(model_view(model).layers), slice_head=slice_head)
 
 
 def dim_for_parameters(model: nn.Module, target: int, round_to: int = 8, *, slice_head: bool = False) -> int:
@@ -283,7 +298,8 @@ def dim_for_parameters(model: nn.Module, target: int, round_to: int = 8, *, slic
 
     fitting = bisect.bisect_right(candidates, target, key=count)
     if fitting == 0:
-        detail = f"d′={round_to} gives {count(round_to):,}" if candidates else f"d={model.config.hidden_size} < {round_to}"
+        smallest = f"d′={round_to} gives {count(round_to):,}"
+        detail = smallest if candidates else f"d={model.config.hidden_size} < {round_to}"
         raise ValueError(f"target of {target:,} parameters is unreachable: the smallest slicing ({detail})")
     return candidates[fitting - 1]
 

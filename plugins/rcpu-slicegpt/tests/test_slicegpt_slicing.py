@@ -5,8 +5,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rcpu_bench.model.loading import parameter_count
-from rcpu_bench.pruning.pipeline import capture_layer_inputs
+from rcpu_bench.model import capture_layer_inputs, parameter_count
 from rcpu_slicegpt import SlicePlan, slice_model, sliced_parameter_count
 from rcpu_slicegpt.slicing import principal_basis, sliced_dim
 

@@ -1,0 +1,213 @@
+"""What the harness asks of a decoder model, whatever its family: per-layer and model-level views.
+
+A decoder layer has two prunable modules (``rcpu_bench.pruning.methods.MODULES``): ``"attention"``,
+whose pruned projection (the *consumer*) is the output projection, its input columns grouped into query
+heads of ``head_dim``; and ``"mlp"``, whose consumer is the down projection, one column per intermediate
+channel. The *producers* are the projections whose output rows go with those columns (methods-spec §3.1):
+query, key and value rows for a head or key/value group, gate and up rows for a channel.
+
+A family (``rcpu_bench.model.llama``) subclasses ``LayerView`` and ``ModelView`` and names its modules;
+``rcpu_bench.model.adapter`` lists the families. Everything else here (geometry, units, their parameter
+cost, applying a selection) follows from the projections' current shapes, because layers differ after
+pruning.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from rcpu_bench.model.surgery import heads_of_columns
+from rcpu_bench.pruning.methods import MODULES  # re-exported by rcpu_bench.model for plugins
+from rcpu_bench.selection.select import Selection
+
+GQA_RULES = ("group", "query")
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Head and channel counts of one decoder layer, read from its current weight shapes."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+
+    @property
+    def queries_per_group(self) -> int:
+        """Query heads served by one key/value head: n_heads / n_kv_heads (1 for multi-head attention)."""
+        return self.n_heads // self.n_kv_heads
+
+
+@dataclass(frozen=True)
+class UnitMap:
+    """How one module's prunable units map to its consumer's input columns.
+
+    Unit u covers columns [u·unit_size, (u+1)·unit_size). ``group_size`` > 1: units are selected within
+    contiguous groups of that many (query heads per key/value group under the "query" GQA rule).
+    """
+
+    unit_size: int
+    group_size: int = 1
+
+
+class LayerView(ABC):
+    """One decoder layer seen through its family: projections, geometry, units, and the removal of units."""
+
+    PROJECTIONS: dict[str, str]  # module → attribute name of its consumer, e.g. {"attention": "o_proj", ...}
+    PARTS: tuple[str, ...]  # the names of a plain layer's children (its blocks and norms)
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    @classmethod
+    @abstractmethod
+    def problem(cls, layer: nn.Module) -> str | None:
+        """What stops this family from handling ``layer``, or None."""
+
+    @abstractmethod
+    def block(self, module: str) -> nn.Module:
+        """The attention or MLP submodule of the layer."""
+
+    @abstractmethod
+    def producers(self, module: str) -> tuple[nn.Linear, ...]:
+        """The projections whose output rows are removed with the consumer's columns (they read the norm's output)."""
+
+    @abstractmethod
+    def norm(self, module: str) -> nn.Module:
+        """The normalisation the module's producers read (pre-norm layers)."""
+
+    @property
+    @abstractmethod
+    def geometry(self) -> LayerGeometry:
+        """Current head and channel counts."""
+
+    @abstractmethod
+    def prune_heads(self, kept_heads: Tensor, kept_kv_heads: Tensor, weight: Tensor, bias: Tensor | None = None,
+                    *, physical: bool = True) -> None:
+        """Keep query heads ``kept_heads`` and key/value heads ``kept_kv_heads`` (``rcpu_bench.model.surgery``)."""
+
+    @abstractmethod
+    def prune_channels(self, kept: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                       physical: bool = True) -> None:
+        """Keep intermediate channels ``kept`` (``rcpu_bench.model.surgery``)."""
+
+    def projection(self, module: str) -> nn.Linear:
+        """The module's pruned projection (consumer), whose input columns the units are."""
+        return getattr(self.block(check_module(module)), self.PROJECTIONS[module])
+
+    def bias_key(self, module: str) -> str:
+        """The name under which saved manifests record whether the consumer has a bias (e.g. ``o_proj_bias``)."""
+        return f"{self.PROJECTIONS[check_module(module)]}_bias"
+
+    def units(self, module: str, gqa_rule: str = "group") -> UnitMap:
+        """Units of the attention consumer: key/value groups (head_dim × queries per group, rule "group") or query
+        heads selected within their groups (rule "query"); of the MLP consumer: channels."""
+        if check_module(module) == "mlp":
+            return UnitMap(1)
+        if gqa_rule not in GQA_RULES:
+            raise ValueError(f"gqa_rule={gqa_rule!r}; allowed: {', '.join(GQA_RULES)}")
+        geometry = self.geometry
+        if gqa_rule == "group":
+            return UnitMap(geometry.head_dim * geometry.queries_per_group)
+        return UnitMap(geometry.head_dim, group_size=geometry.queries_per_group)
+
+    def n_units(self, module: str) -> int:
+        """Units of the module under the "group" rule: key/value groups, or channels."""
+        geometry = self.geometry
+        return geometry.n_kv_heads if check_module(module) == "attention" else geometry.intermediate
+
+    def unit_cost(self, module: str) -> float:
+        """Weights removed with one unit ("group" rule): Σ over producers and consumer of their weights / units.
+
+        For a Llama layer of width d: (2·queries per group + 2)·head_dim·d per key/value group, 3·d per channel.
+        """
+        linears = (*self.producers(module), self.projection(module))
+        total, units = sum(linear.weight.numel() for linear in linears), self.n_units(module)
+        if total % units:
+            raise ValueError(f"{module}: {total} weights do not split into {units} equal units")
+        return float(total // units)
+
+    def apply(self, module: str, columns: Selection, weight: Tensor, bias: Tensor | None = None, *,
+              physical: bool = True) -> None:
+        """Shrink the module to the consumer's kept input ``columns`` (physically, or masked with ``physical=False``).
+
+        ``weight`` is the compensated consumer weight over the kept columns (d_out × |K|, kept order), ``bias``
+        its new bias (None keeps the existing one). Attention: the kept columns must be whole query heads; a
+        key/value head is kept iff any of its query heads is (``surgery.check_head_groups`` checks the rest).
+        """
+        if check_module(module) == "mlp":
+            self.prune_channels(columns.kept, weight, bias, physical=physical)
+            return
+        geometry = self.geometry
+        kept_heads = heads_of_columns(columns.kept, geometry.head_dim)
+        kept_kv_heads = torch.unique(kept_heads // geometry.queries_per_group)
+        self.prune_heads(kept_heads, kept_kv_heads, weight, bias, physical=physical)
+
+
+class ModelView(ABC):
+    """A whole causal LM seen through its family: decoder layers, embeddings, head, and its config."""
+
+    LAYER: type[LayerView]
+    SUPPORTED: str  # a description of the models the family covers, for error messages
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @classmethod
+    @abstractmethod
+    def problem(cls, model: nn.Module) -> str | None:
+        """What stops this family from handling ``model``, or None."""
+
+    @property
+    @abstractmethod
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers, in order (assignable: a method may replace a layer)."""
+
+    @property
+    @abstractmethod
+    def embeddings(self) -> nn.Embedding:
+        """The input token embeddings."""
+
+    @property
+    @abstractmethod
+    def front(self) -> list[nn.Module]:
+        """The modules that run before layer 0 (embeddings, rotary tables): what capture needs on the device."""
+
+    @property
+    @abstractmethod
+    def final_norm(self) -> nn.Module:
+        """The normalisation after the last layer."""
+
+    @final_norm.setter
+    @abstractmethod
+    def final_norm(self, norm: nn.Module) -> None: ...
+
+    @property
+    @abstractmethod
+    def lm_head(self) -> nn.Linear:
+        """The output projection to the vocabulary."""
+
+    @abstractmethod
+    def saved_config(self, records: list[dict[str, Any]]) -> tuple[str, PretrainedConfig]:
+        """The config to save for layers shaped as ``records`` (``persistence.layer_records``), and its kind."""
+
+    def layer(self, index: int) -> LayerView:
+        """A view of decoder layer ``index``."""
+        return self.LAYER(self.layers[index])
+
+    def views(self) -> list[LayerView]:
+        """A view of every decoder layer."""
+        return [self.LAYER(layer) for layer in self.layers]
+
+
+def check_module(module: str) -> str:
+    """``module`` if it names a prunable module (one of ``MODULES``), else ValueError."""
+    if module not in MODULES:
+        raise ValueError(f"unknown module {module!r}; allowed: {', '.join(MODULES)}")
+    return module
