@@ -2,8 +2,9 @@
 
 Rows are method × pruning ratio, grouped by ratio with the Original row first. A row's label is computed from
 the run's final PruneConfig (:func:`rcpu_bench.pruning.methods.label_of`): runs of a named method (the paper's
-rows) go to the main tables, other scorer × compensator combinations to separate "other" tables, and RCPU
-(Rot.) runs compensating fewer modules to the ablation. Columns are grouped by slot, (model, N_calib).
+rows) go to the main tables, other scorer × compensator combinations to separate "other" tables (the efficiency
+table holds both), and RCPU (Rot.) runs compensating fewer modules to the ablation. Columns are grouped by slot,
+(model, N_calib).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def spec(kind: str, profile: str = PAPER_PROFILE, metric_map: str = "paper") -> 
         return Spec(f"Zero-shot accuracy{of} (%, metric map {metric_map}, higher is better)", row,
                     zeroshot_metrics(metric_map), per_slot=True, paper=kind)
     if kind == "efficiency":
-        return Spec("Pruned model size, pruning cost and speed", method_row,
+        return Spec("Pruned model size, pruning cost and speed", any_row,
                     tuple(zip(EFFICIENCY, EFFICIENCY_EXTRACTS, strict=True)), per_slot=True, paper="efficiency")
     raise ValueError(f"unknown table {kind!r}; allowed: {', '.join(TABLE_KINDS)}, all")
 

@@ -31,7 +31,7 @@ from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, default_prof
 from rcpu_bench.tables.table import ORIGINAL, percent
 from rcpu_bench.tables.tables import add_lambda_rule_option, add_profile_option, add_results_options, results_dir_of
 
-COMPENSATOR_NAMES = {"none": "No comp.", "flap-bias": "Bias (FLAP)", "ridge": "LS (λ_best)",
+COMPENSATOR_NAMES = {"none": "No comp.", "flap-bias": "Bias (FLAP)", "ridge": "LS (λ_best)",  # legend order
                      "procrustes": "Rot.", "scaled-procrustes": "Rot.+Scale"}
 SCORER_NAMES = {"wanda-sp": "WANDA-sp score", "variance": "Proposed score"}  # the paper's panel titles
 PANEL_INCHES = (5.0, 3.6)
@@ -87,7 +87,14 @@ def bar_data(results: Sequence[StoredResult], profile: str = PAPER_PROFILE,
         return result.model_label, result.n_calib, result.prune["scorer"], result.prune["compensator"], result.ratio
 
     data: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
-    for (model, n_calib, scorer, compensator, ratio), chosen in sorted(resolve(results, key, lambda_rule).items()):
+    def drawn_order(item: tuple) -> tuple:  # compensators in the paper's legend order, then others by name
+        (model, n_calib, scorer, compensator, ratio), _ = item
+        names = list(COMPENSATOR_NAMES)
+        rank = names.index(compensator) if compensator in names else len(names)
+        return model, n_calib, scorer, rank, compensator, ratio
+
+    for (model, n_calib, scorer, compensator, ratio), chosen in sorted(resolve(results, key, lambda_rule).items(),
+                                                                       key=drawn_order):
         value = _ppl(chosen.result, profile)
         if value is not None:
             data[model][n_calib, scorer][COMPENSATOR_NAMES.get(compensator, compensator)][ratio] = value
