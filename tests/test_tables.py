@@ -575,3 +575,11 @@ def test_cli_reads_the_results_directory_that_run_writes_for_a_matrix(results, t
     assert capsys.readouterr().out == render(make_tables(read_results(results).results, "ppl"), "md")
     assert run_cli(["--table", "ppl"]) == 2
     assert "--results DIR, or --matrix NAME for results/<matrix name>" in capsys.readouterr().err
+
+
+def test_cli_lambda_rule(tmp_path, capsys):
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ridge_grid(None)), encoding="utf-8")
+    assert run_cli(["--results", str(tmp_path), "--table", "ppl", "--lambda-rule", "holdout"]) == 2
+    assert "lambda_rule holdout needs records run with --holdout" in capsys.readouterr().err
+    assert run_cli(["--results", str(tmp_path), "--table", "ppl", "--lambda-rule", "paper"]) == 0
+    assert "lambda_best: lowest calibration perplexity, the paper's rule" in capsys.readouterr().out
