@@ -70,7 +70,7 @@ def _ppl(result: StoredResult, profile: str) -> float | None:
 
 def dense_data(results: Sequence[StoredResult], profile: str = PAPER_PROFILE) -> dict[str, float]:
     """model → the dense (unpruned) model's perplexity: the reference line of every figure."""
-    dense = {}
+    dense: dict[str, float] = {}
     for ((model, _), (label, ratio)), chosen in sorted(cell_grid(results, any_row).items()):
         value = _ppl(chosen.result, profile)
         if (label, ratio) == (ORIGINAL, 0) and value is not None:
