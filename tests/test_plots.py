@@ -9,9 +9,18 @@ import struct
 from pathlib import Path
 
 import pytest
-from test_tables import entry
+from test_tables import entry, ridge_grid, stored
 
-from rcpu_bench.tables.plots import LambdaCurve, add_parser, bar_data, cmd_plots, lambda_data, ncalib_data, write_plots
+from rcpu_bench.tables.plots import (
+    LambdaCurve,
+    add_parser,
+    bar_data,
+    cmd_plots,
+    dense_data,
+    lambda_data,
+    ncalib_data,
+    write_plots,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -32,8 +41,12 @@ def store_entries() -> list[dict]:
     ]
 
 
+def plotted() -> list:
+    return stored(store_entries())
+
+
 def test_bar_data():
-    assert bar_data(store_entries()) == {"Llama-7B": {
+    assert bar_data(plotted()) == {"Llama-7B": {
         (128, "wanda-sp"): {"No comp.": {0.1: 14.66, 0.2: 16.70}, "Rot.": {0.1: 14.0}},
         (128, "variance"): {"LS (λ_best)": {0.1: 15.0}, "Rot.": {0.1: 13.55, 0.2: 14.40}},
         (512, "variance"): {"Rot.": {0.1: 13.48}},
@@ -42,19 +55,19 @@ def test_bar_data():
 
 
 def test_lambda_data():
-    assert lambda_data(store_entries()) == {"Llama-7B": {
+    assert lambda_data(plotted()) == {"Llama-7B": {
         (128, "variance", 0.1): LambdaCurve(lams=(0.01, 1.0, 100.0), ppl=(15.0, 14.0, 16.0), best=0.01)}}
 
 
 def test_ncalib_data_has_the_methods_run_at_several_ncalib():
-    assert ncalib_data(store_entries()) == {"Llama-7B": {("RCPU (Rot.)", 0.1): {32: 20.0, 128: 13.55, 512: 13.48}}}
-    assert ncalib_data([e for e in store_entries() if e["cell"]["n_calib"] == 128]) == {}
+    assert ncalib_data(plotted()) == {"Llama-7B": {("RCPU (Rot.)", 0.1): {32: 20.0, 128: 13.55, 512: 13.48}}}
+    assert ncalib_data([r for r in plotted() if r.n_calib == 128]) == {}
 
 
-@pytest.mark.parametrize("data_of", [bar_data, lambda_data, ncalib_data])
+@pytest.mark.parametrize("data_of", [bar_data, lambda_data, ncalib_data, dense_data])
 def test_plotted_values_are_the_same_every_time_and_in_any_store_order(data_of):
-    first = repr(data_of(store_entries()))  # the values and the order they are drawn in
-    assert repr(data_of(store_entries())) == first and repr(data_of(store_entries()[::-1])) == first
+    first = repr(data_of(plotted()))  # the values and the order they are drawn in
+    assert repr(data_of(plotted())) == first and repr(data_of(plotted()[::-1])) == first
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -64,16 +77,43 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_write_plots_one_png_per_kind(tmp_path):
-    paths = write_plots(store_entries(), tmp_path / "a")
-    assert [p.name for p in paths] == ["ppl_vs_ratio_Llama-7B.png", "ppl_vs_lambda_Llama-7B.png",
-                                       "ppl_vs_ncalib_Llama-7B.png"]
-    (bars_w, bars_h), *others = [png_size(p) for p in paths]
-    assert all(400 < w < 700 and 300 < h < 600 for w, h in others)  # one panel of 5 × 3.6 in at 100 dpi
-    assert 1800 < bars_w < 2300 and 300 < bars_h < 600  # four panels: (32|128|512, variance), (128, wanda-sp)
-    assert all(10_000 < p.stat().st_size < 2_000_000 for p in paths)
-    again = write_plots(store_entries(), tmp_path / "b")
+def test_lambda_data_under_the_holdout_rule_stars_the_lowest_held_out_error():
+    grid = stored(ridge_grid({1e-2: 0.31, 1.0: 0.12, 100.0: 0.25}))
+    assert lambda_data(grid, lambda_rule="holdout") == {"Llama-7B": {
+        (128, "variance", 0.1): LambdaCurve(lams=(0.01, 1.0, 100.0), ppl=(15.0, 14.0, 16.0), best=1.0)}}
+    assert bar_data(grid, lambda_rule="holdout") == {"Llama-7B": {(128, "variance"): {"LS (λ_best)": {0.1: 14.0}}}}
+
+
+def test_dense_data_is_the_original_models_perplexity():
+    assert dense_data(plotted()) == {"Llama-7B": 12.4}
+    assert dense_data([r for r in plotted() if r.ratio > 0]) == {}
+
+
+KINDS = ("ppl_vs_ratio", "ppl_vs_lambda", "ppl_vs_ncalib")
+
+
+def test_write_plots_png_pdf_and_svg_per_kind(tmp_path):
+    paths = write_plots(plotted(), tmp_path / "a")
+    assert [p.name for p in paths] == [f"{kind}_Llama-7B.{fmt}" for kind in KINDS for fmt in ("png", "pdf", "svg")]
+    pngs = [p for p in paths if p.suffix == ".png"]
+    (bars_w, bars_h), *others = [png_size(p) for p in pngs]
+    assert all(1200 < w < 2100 and 900 < h < 1800 for w, h in others)  # one panel of 5 × 3.6 in at 300 dpi
+    # the paper's bar grid: a row per N_calib (32, 128, 512), a column per scorer (WANDA-sp, variance)
+    assert 2 * 1200 < bars_w < 2 * 2100 and 3 * 900 < bars_h < 3 * 1800
+    assert all(p.read_bytes().startswith(b"%PDF-") for p in paths if p.suffix == ".pdf")
+    assert all(b"<svg" in p.read_bytes()[:2000] for p in paths if p.suffix == ".svg")
+    assert all(5_000 < p.stat().st_size < 5_000_000 for p in paths)
+    again = write_plots(plotted(), tmp_path / "b")
     assert [p.read_bytes() for p in again] == [p.read_bytes() for p in paths]
+
+
+def test_every_figure_draws_the_dense_reference_line():
+    from rcpu_bench.tables.plots import PLOTS
+    for kind, (data_of, draw) in PLOTS.items():
+        (panels,) = data_of(plotted()).values()
+        figure = draw("Llama-7B", panels, "rcpu128", 12.4)
+        lines = [line for ax in figure.axes for line in ax.get_lines() if line.get_label().startswith("dense model")]
+        assert lines and all(list(line.get_ydata()) == [12.4, 12.4] for line in lines), kind
 
 
 def run_cli(argv: list[str]) -> int:
@@ -92,7 +132,7 @@ def test_cli_writes_pngs_only_into_the_plots_directory(results, capsys):
     assert run_cli(["--results", str(results)]) == 0
     printed = capsys.readouterr().out.split()
     assert sorted(printed) == sorted(str(p) for p in (results / "plots").iterdir())
-    assert len(printed) == 3 and sorted(p.name for p in results.iterdir()) == ["plots", "records.jsonl"]
+    assert len(printed) == 9 and sorted(p.name for p in results.iterdir()) == ["plots", "records.jsonl"]
 
 
 def test_cli_reports_an_unknown_profile(results, capsys):

@@ -7,11 +7,21 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_tables import entry as table_entry
 from tiny_matrices import tiny_matrix
 
 from rcpu_bench.matrix.spec import expand
+from rcpu_bench.matrix.store import (
+    FAILED,
+    OK,
+    Store,
+    StoreBusyError,
+    StoredResult,
+    error_info,
+    make_entry,
+    read_results,
+)
 from rcpu_bench.registry import default_registry
-from rcpu_bench.matrix.store import FAILED, OK, Store, StoreBusyError, error_info, make_entry
 
 ENTRY_KEYS = {"cell_id", "status", "error", "cell", "record", "finished_at", "seconds"}
 CELL_KEYS = {"matrix", "model", "model_label", "method", "method_label", "ratio", "n_calib", "seqlen", "calib", "lam",
@@ -87,3 +97,36 @@ def test_latest_and_finished_follow_the_last_complete_entry_of_each_cell(tmp_pat
     expected = dict(appended)  # the last status of each cell
     assert {k: e["status"] for k, e in store.latest().items()} == expected
     assert store.finished() == {k for k, status in expected.items() if status == OK}
+
+
+# ------------------------------------------------------------------------------------------- the one reader
+
+def test_read_results_skips_failed_and_a_torn_last_line(tmp_path):
+    retried = table_entry("rcpu-rot", 0.3, 18.35)
+    entries = [{**retried, "status": "failed", "record": None}, table_entry("rcpu-rot", 0.1, 13.55),
+               table_entry("rcpu-rot", 0.2, status="failed"), retried]  # a cell's newest entry counts
+    lines = [json.dumps(e) for e in entries]
+    (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n" + lines[1][:40], encoding="utf-8")
+    stored = read_results(tmp_path)
+    assert [r.ratio for r in stored.results] == [0.1, 0.3] and stored.failed == 1
+    assert stored.results[1] == StoredResult(retried["cell_id"], retried["cell"], retried["record"], retried["seconds"])
+
+
+def test_read_results_names_a_missing_store(tmp_path):
+    with pytest.raises(FileNotFoundError, match="records.jsonl"):
+        read_results(tmp_path)
+
+
+def test_read_results_names_an_entry_without_the_fields_tables_read(tmp_path):
+    broken = table_entry("rcpu-rot", 0.1, 13.55)
+    del broken["record"]["timing"], broken["record"]["parameters"]
+    lines = [json.dumps(table_entry("rcpu-rot", 0.2, 14.4)), json.dumps(broken)]
+    (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"records.jsonl:2: entry {broken['cell_id']} has no record field "
+                                         r"parameters, timing"):
+        read_results(tmp_path)
+
+
+def test_read_results_of_a_directory_without_a_store_is_empty_when_allowed(tmp_path):
+    assert read_results(tmp_path, missing_ok=True) == read_results(tmp_path, missing_ok=True)
+    assert read_results(tmp_path, missing_ok=True).results == () and read_results(tmp_path, missing_ok=True).failed == 0

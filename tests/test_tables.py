@@ -15,24 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from rcpu_bench.matrix.store import StoredResult, read_results
 from rcpu_bench.pruning.methods import ALIASES
-from rcpu_bench.tables.tables import (
-    PaperNumbers,
-    add_parser,
-    cmd_tables,
-    default_profile,
-    make_tables,
-    mark_disagreements,
-    paper_table,
-    rank_marks,
-    read_paper,
-    read_store,
-    render,
-    spec,
-    table_marks,
-    zeroshot_metrics,
-)
+from rcpu_bench.tables import results as values
+from rcpu_bench.tables.layout import make_tables, spec
+from rcpu_bench.tables.paper import PaperNumbers, mark_disagreements, paper_table, read_paper
+from rcpu_bench.tables.render import latex_power_of_ten, render
+from rcpu_bench.tables.table import rank_marks, table_marks
+from rcpu_bench.tables.tables import add_parser, cmd_tables
 
 MIB = 2**20
 PRUNE_DEFAULTS: dict[str, Any] = {  # PruneConfig's fields and defaults, as a record stores them
@@ -61,7 +54,8 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
     layers = [{"layer": i, "statistics": prune_seconds / n_layers / 2, "solve": prune_seconds / n_layers / 2}
               for i in range(n_layers)]
     record = {
-        "experiment": {"model": cell["model"], "prune": config, "calib": cell["calib"], "ppl_profiles": ["rcpu128"]},
+        "experiment": {"model": cell["model"], "prune": config, "calib": cell["calib"], "ppl_profiles": ["rcpu128"],
+                       "dtype": "float32"},
         "parameters": {"before": SIZES[model], "after": params_after,
                        "removed_fraction": 1 - params_after / SIZES[model]},
         "perplexity": [] if ppl is None else [{"profile": "rcpu128", "ppl": ppl, "n_windows": 2654,
@@ -78,6 +72,19 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
     return {"cell_id": cell_id, "status": status, "error": None, "cell": cell,
             "record": record if status == "ok" else None, "finished_at": "2026-11-22T08:00:00+00:00",
             "seconds": 2 * prune_seconds}
+
+
+def stored(entries: list[dict[str, Any]]) -> list[StoredResult]:
+    """Store entries as the store's reader returns them."""
+    return [StoredResult.from_entry(e) for e in entries]
+
+
+def tables_of(entries: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list:
+    return make_tables(stored(entries), *args, **kwargs)
+
+
+def profile_of(entries: list[dict[str, Any]]) -> str:
+    return values.default_profile(stored(entries))
 
 
 def grid(table) -> list[tuple]:
@@ -104,33 +111,6 @@ def ppl_entries() -> list[dict[str, Any]]:
     ]
 
 
-# ------------------------------------------------------------------------------------------------ the store
-
-def test_read_store_skips_failed_and_a_torn_last_line(tmp_path):
-    retried = entry("rcpu-rot", 0.3, 18.35)
-    entries = [{**retried, "status": "failed", "record": None}, entry("rcpu-rot", 0.1, 13.55),
-               entry("rcpu-rot", 0.2, status="failed"), retried]  # a cell's newest entry counts
-    lines = [json.dumps(e) for e in entries]
-    (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n" + lines[1][:40], encoding="utf-8")
-    store = read_store(tmp_path)
-    assert [e["cell"]["ratio"] for e in store.entries] == [0.1, 0.3] and store.failed == 1
-
-
-def test_read_store_names_a_missing_store(tmp_path):
-    with pytest.raises(FileNotFoundError, match="records.jsonl"):
-        read_store(tmp_path)
-
-
-def test_read_store_names_an_entry_without_the_fields_tables_read(tmp_path):
-    broken = entry("rcpu-rot", 0.1, 13.55)
-    del broken["record"]["timing"], broken["record"]["parameters"]
-    lines = [json.dumps(entry("rcpu-rot", 0.2, 14.4)), json.dumps(broken)]
-    (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=rf"records.jsonl:2: entry {broken['cell_id']} has no record field "
-                                         r"parameters, timing"):
-        read_store(tmp_path)
-
-
 # ------------------------------------------------------------------------------------------------ the marks
 
 @pytest.mark.parametrize("values, better, expected", [
@@ -154,42 +134,96 @@ def test_rank_marks_names_a_bad_direction():
 # ---------------------------------------------------------------------------------------- perplexity table
 
 def test_ppl_table_values_lambda_best_and_marks():
-    (table,) = make_tables(ppl_entries(), "ppl")
+    (table,) = tables_of(ppl_entries(), "ppl")
     assert [(c.group, c.header) for c in table.columns] == [
-        ("Llama-7B", "128"), ("Llama-7B", "128 lambda_best"), ("Llama-7B", "512")]
+        ("Llama-7B", "N_calib=128"), ("Llama-7B", "N_calib=128 lambda_best"), ("Llama-7B", "N_calib=512")]
+    assert table.title == ("WikiText-2 perplexity (rcpu128, lower is better). "
+                           "lambda_best: lowest calibration perplexity, the paper's rule")
     assert grid(table) == [
         ("Original", 0.0, 12.4, None, 12.4),  # one dense run fills both N_calib columns
         ("WANDA-sp", 0.1, 14.66, None, 14.53),
-        ("Prop.Score+LS (lambda_best)", 0.1, 15.0, "1e-02", None),
+        ("Prop.Score+LS (lambda_best)", 0.1, 15.0, 1e-2, None),
         ("RCPU (Rot.)", 0.1, 13.55, None, 13.48),
         ("RCPU (Rot.+Scale)", 0.1, 13.52, None, 13.45),
     ]
     assert marks_by_text(table) == {
-        ("RCPU (Rot.+Scale)", 0.1, "Llama-7B 128"): "bold", ("RCPU (Rot.)", 0.1, "Llama-7B 128"): "underline",
-        ("RCPU (Rot.+Scale)", 0.1, "Llama-7B 512"): "bold", ("RCPU (Rot.)", 0.1, "Llama-7B 512"): "underline"}
+        ("RCPU (Rot.+Scale)", 0.1, "Llama-7B N_calib=128"): "bold",
+        ("RCPU (Rot.)", 0.1, "Llama-7B N_calib=128"): "underline",
+        ("RCPU (Rot.+Scale)", 0.1, "Llama-7B N_calib=512"): "bold",
+        ("RCPU (Rot.)", 0.1, "Llama-7B N_calib=512"): "underline"}
 
 
 def test_original_is_never_marked_and_ties_at_printed_precision_share_a_mark():
     entries = [entry("original", 0.0, 5.0), entry("rcpu-rot", 0.0, 9.0),
                entry("rcpu-rot", 0.1, 13.551), entry("rcpu-rot-scale", 0.1, 13.549), entry("flap", 0.1, 14.0)]
-    (table,) = make_tables(entries, "ppl")
-    assert marks_by_text(table) == {("RCPU (Rot.)", 0.1, "Llama-7B 128"): "bold",
-                                    ("RCPU (Rot.+Scale)", 0.1, "Llama-7B 128"): "bold"}
+    (table,) = tables_of(entries, "ppl")
+    assert marks_by_text(table) == {("RCPU (Rot.)", 0.1, "Llama-7B N_calib=128"): "bold",
+                                    ("RCPU (Rot.+Scale)", 0.1, "Llama-7B N_calib=128"): "bold"}
 
 
 def test_repeats_keep_the_last_and_different_experiments_conflict():
     first, rerun = entry("rcpu-rot", 0.1, 13.9), entry("rcpu-rot", 0.1, 13.55, matrix="ablation")
-    (table,) = make_tables([first, rerun], "ppl")
+    (table,) = tables_of([first, rerun], "ppl")
     assert grid(table) == [("RCPU (Rot.)", 0.1, 13.55)]
     other = entry("rcpu-rot", 0.1, 13.7, seqlen=256)
     differ = rf"{first['cell_id']} and {other['cell_id']} differ in .*seqlen \(128 vs 256\)"
     with pytest.raises(ValueError, match=differ):
-        make_tables([first, other], "ppl")
+        tables_of([first, other], "ppl")
 
 
 def test_ppl_table_names_an_unknown_profile():
     with pytest.raises(ValueError, match="'std2048'; profiles in the store: rcpu128"):
-        make_tables(ppl_entries(), "ppl", profile="std2048")
+        tables_of(ppl_entries(), "ppl", profile="std2048")
+
+
+# ---------------------------------------------------------------------------------------------- λ rules
+
+def ridge_grid(holdout: dict[float, float] | None) -> list[dict[str, Any]]:
+    """A three-λ ridge grid: test perplexity, calibration perplexity and (optionally) the held-out error by λ."""
+    grid_ = {1e-2: (15.0, 9.0), 1.0: (14.0, 10.0), 100.0: (16.0, 11.0)}  # λ → (test ppl, calibration ppl)
+    entries = [entry("ls-best", 0.1, ppl, lam=lam, calibration_ppl=calib) for lam, (ppl, calib) in grid_.items()]
+    for e in entries if holdout else ():
+        e["record"]["generalisation"] = {"holdout_error_mean": holdout[e["cell"]["lam"]]}
+    return entries
+
+
+@pytest.mark.parametrize("rule, expected_lam", [("paper", 1e-2), ("holdout", 1.0)])
+def test_lambda_rules_choose_their_argmin_and_the_title_says_which(rule, expected_lam):
+    holdout = {1e-2: 0.31, 1.0: 0.12, 100.0: 0.25}
+    entries = ridge_grid(holdout)
+    score = {"paper": lambda e: e["record"]["calibration_ppl"],
+             "holdout": lambda e: e["record"]["generalisation"]["holdout_error_mean"]}[rule]
+    best = min(entries, key=score)  # the rule's λ, by hand
+    assert best["cell"]["lam"] == expected_lam
+    (table,) = tables_of(entries, "ppl", lambda_rule=rule)
+    assert grid(table) == [("Prop.Score+LS (lambda_best)", 0.1, best["record"]["perplexity"][0]["ppl"], expected_lam)]
+    assert table.title.endswith({"paper": "lambda_best: lowest calibration perplexity, the paper's rule",
+                                 "holdout": "lambda_best: lowest held-out reconstruction error (--holdout)"}[rule])
+
+
+def test_lambda_rule_holdout_names_records_without_holdout_errors():
+    with pytest.raises(ValueError, match="lambda_rule holdout needs records run with --holdout"):
+        tables_of(ridge_grid(None), "ppl", lambda_rule="holdout")
+
+
+def test_lambda_rules_break_ties_towards_the_smaller_lambda():
+    entries = ridge_grid({1e-2: 0.2, 1.0: 0.1, 100.0: 0.1})
+    (table,) = tables_of(entries, "ppl", lambda_rule="holdout")
+    assert grid(table)[0][-1] == 1.0
+
+
+def test_a_method_without_a_lambda_grid_needs_no_holdout_errors():
+    (table,) = tables_of([entry("rcpu-rot", 0.1, 13.55)], "ppl", lambda_rule="holdout")
+    assert grid(table) == [("RCPU (Rot.)", 0.1, 13.55)] and "lambda_best" not in table.title
+
+
+@given(st.integers(min_value=1, max_value=9), st.integers(min_value=-12, max_value=12))
+def test_latex_lambda_is_the_same_number_as_math(mantissa, exponent):
+    lam = mantissa * 10.0**exponent
+    text = latex_power_of_ten(lam)
+    found = re.fullmatch(r"\$(?:(\d)\\cdot)?10\^\{(-?\d+)\}\$", text)
+    assert found, text
+    assert (int(found.group(1) or 1), int(found.group(2))) == (mantissa, exponent)
 
 
 # --------------------------------------------------------------------------- zero-shot, ablation, efficiency
@@ -205,10 +239,10 @@ ZEROSHOT = {"boolq": {"acc": 0.75}, "piqa": {"acc": 0.78, "acc_norm": 0.79},
     ("slicegpt", [75.0, 79.0, 76.0, 70.0, 73.0, 45.0, 34.0]),
 ])
 def test_zeroshot_table_per_model_and_ncalib(metric_map, expected):
-    nested = {"tasks": ZEROSHOT, "metric_map": "paper"}  # as rcpu_bench.evaluation.zeroshot.evaluate_zeroshot returns it
+    nested = {"tasks": ZEROSHOT, "metric_map": "paper"}  # as evaluation.zeroshot.evaluate_zeroshot returns it
     entries = [entry("rcpu-rot", 0.1, 13.55, zeroshot=ZEROSHOT), entry("flap", 0.1, 14.14),  # FLAP: no zero-shot
                entry("rcpu-rot", 0.1, 13.48, n_calib=512, zeroshot=nested)]
-    tables = make_tables(entries, "zeroshot", metric_map=metric_map)
+    tables = tables_of(entries, "zeroshot", metric_map=metric_map)
     assert [t.title.split(": ")[-1] for t in tables] == ["Llama-7B, N_calib=128", "Llama-7B, N_calib=512"]
     assert [c.header for c in tables[0].columns] == ["BoolQ", "PIQA", "Hella", "Wino", "ARC-e", "ARC-c", "OBQA", "Mean"]
     for table in tables:
@@ -219,7 +253,7 @@ def test_zeroshot_table_per_model_and_ncalib(metric_map, expected):
 
 def test_zeroshot_metric_map_must_be_known():
     with pytest.raises(ValueError, match="'lm-eval'; allowed: paper, slicegpt"):
-        zeroshot_metrics("lm-eval")
+        values.zeroshot_metrics("lm-eval")
 
 
 def test_ablation_table_by_compensated_module():
@@ -228,28 +262,48 @@ def test_ablation_table_by_compensated_module():
                entry("rcpu-rot", 0.1, 13.61, prune={"compensate": ["attention"]}),
                entry("rcpu-rot", 0.1, 13.55), entry("wanda-sp", 0.1, 14.66),
                entry("rcpu-rot", 0.1, 15.0, prune={"prune": ["mlp"], "compensate": ["mlp"]})]
-    (table,) = make_tables(entries, "ablation")
+    (table,) = tables_of(entries, "ablation")
     assert grid(table) == [("RCPU (Rot.) compensating none", 0.1, 13.96),
                            ("RCPU (Rot.) compensating o_proj only", 0.1, 13.61),
                            ("RCPU (Rot.) compensating down_proj only", 0.1, 13.62),
                            ("RCPU (Rot.) compensating both", 0.1, 13.55)]
-    (main,) = make_tables(entries, "ppl")  # the main table keeps only runs that prune and compensate both
+    (main,) = tables_of(entries, "ppl")  # the main table keeps only runs that prune and compensate both
     assert grid(main) == [("WANDA-sp", 0.1, 14.66), ("RCPU (Rot.)", 0.1, 13.55)]
 
 
-def test_efficiency_table():
+def test_efficiency_table_reports_the_pruned_models_size_beside_peak_memory():
     entries = [entry("original", 0.0, 12.4, params_after=6_738_415_616, peak_bytes=25_705 * MIB, prune_seconds=0.0),
                entry("rcpu-rot", 0.1, 13.55, params_after=6_100_000_000, peak_bytes=3 * 2**30, prune_seconds=267.52)]
-    (table,) = make_tables(entries, "efficiency")
-    assert [c.header for c in table.columns] == ["Params", "Peak memory (MiB)", "Seconds per layer",
+    (table,) = tables_of(entries, "efficiency")
+    assert [c.header for c in table.columns] == ["Params", "Model size (MiB)", "Peak memory (MiB)", "Seconds per layer",
                                                  "statistics s/layer", "score s/layer", "solve s/layer",
                                                  "forward s/layer", "Device", "Prefill tok/s", "Decode tok/s"]
-    # The synthetic layers split each layer's prune_seconds / 32 evenly into statistics and solve; no score or
-    # forward timings, no environment or experiment device and no inference measurement (blank).
-    assert grid(table) == [("Original", 0.0, 6_738_415_616, 25_705.0, 0.0, 0.0, None, 0.0, None, None, None, None),
-                           ("RCPU (Rot.)", 0.1, 6_100_000_000, 3072.0, pytest.approx(8.36),
+    # Model size: float32 weights, 4 bytes a parameter. The synthetic layers split each layer's prune_seconds / 32
+    # evenly into statistics and solve; no score or forward timings, no environment or experiment device and no
+    # inference measurement (blank).
+    dense_mib, pruned_mib = 6_738_415_616 * 4 / 2**20, 6_100_000_000 * 4 / 2**20
+    assert grid(table) == [("Original", 0.0, 6_738_415_616, pytest.approx(dense_mib), 25_705.0, 0.0, 0.0, None, 0.0,
+                            None, None, None, None),
+                           ("RCPU (Rot.)", 0.1, 6_100_000_000, pytest.approx(pruned_mib), 3072.0, pytest.approx(8.36),
                             pytest.approx(267.52 / 64), None, pytest.approx(267.52 / 64), None, None, None, None)]
-    assert "| RCPU (Rot.) | 10%  | 6.10B    | 3,072               | 8.36                |" in render([table], "md")
+    assert round(dense_mib) == 25_705  # the paper's "Memory size" of Llama-7B in FP32
+    assert "| RCPU (Rot.) | 10%  | 6.10B    | 23,270             | 3,072               | 8.36 " in render([table], "md")
+
+
+def test_sizes_and_memory_are_never_marked_but_seconds_are():
+    entries = [entry("rcpu-rot", 0.1, 13.55, params_after=6_100_000_000, peak_bytes=3 * 2**30, prune_seconds=200.0),
+               entry("wanda-sp", 0.1, 14.0, params_after=6_000_000_000, peak_bytes=2 * 2**30, prune_seconds=100.0),
+               entry("flap", 0.1, 14.1, params_after=5_900_000_000, peak_bytes=1 * 2**30, prune_seconds=300.0)]
+    (table,) = tables_of(entries, "efficiency")
+    marked = {table.columns[j].header for (_, j), _ in table_marks(table).items()}
+    assert marked == {"Seconds per layer", "statistics s/layer", "solve s/layer"}
+
+
+def test_model_size_needs_a_known_dtype():
+    unknown = entry("rcpu-rot", 0.1, 13.55)
+    unknown["record"]["experiment"]["dtype"] = "int4"
+    with pytest.raises(ValueError, match="'int4'; known: float64, float32, float16, bfloat16"):
+        tables_of([unknown], "efficiency")
 
 
 def test_efficiency_table_shows_the_measured_device_and_generation_speed():
@@ -261,8 +315,8 @@ def test_efficiency_table_shows_the_measured_device_and_generation_speed():
     timed["record"]["inference"] = {"batch_size": 1, "prompt_tokens": 128, "new_tokens": 64,
                                     "prefill_tokens_per_s": 12345.6, "decode_tokens_per_s": 78.9, "device": "cuda"}
     untimed = entry("wanda-sp", 0.1, 14.0)
-    (table,) = make_tables([timed, untimed], "efficiency")
-    rows = {row.label: row.cells[3:] for row in table.rows}
+    (table,) = tables_of([timed, untimed], "efficiency")
+    rows = {row.label: row.cells[4:] for row in table.rows}
     assert rows["RCPU (Rot.)"] == (1.0, 0.5, 3.0, 2.0, "NVIDIA H100 80GB HBM3", 12345.6, 78.9)
     assert rows["WANDA-sp"][-3:] == (None, None, None)
     text = render([table], "md")
@@ -273,9 +327,9 @@ def test_the_default_profile_is_rcpu128_else_its_one_window_range_else_the_first
     full, subset, stories = (entry("rcpu-rot", 0.1, 13.0) for _ in range(3))
     subset["record"]["perplexity"][0]["profile"] = "rcpu128[0:1024]"
     stories["record"]["perplexity"][0]["profile"] = "tinystories[500:700]"
-    assert default_profile([full, subset]) == "rcpu128"
-    assert default_profile([stories, subset]) == "rcpu128[0:1024]"
-    assert default_profile([stories]) == "tinystories[500:700]" and default_profile([]) == "rcpu128"
+    assert profile_of([full, subset]) == "rcpu128"
+    assert profile_of([stories, subset]) == "rcpu128[0:1024]"
+    assert profile_of([stories]) == "tinystories[500:700]" and profile_of([]) == "rcpu128"
 
 
 # ------------------------------------------------------------------------------------- the paper's numbers
@@ -298,17 +352,30 @@ def small_paper(tmp_path) -> PaperNumbers:
 
 def test_paper_numbers_beside_ours(small_paper):
     entries = [entry("original", 0.0, 12.5), entry("wanda-sp", 0.1, 14.0), entry("rcpu-rot", 0.1, 13.6)]
-    (table,) = make_tables(entries, "ppl", paper=small_paper)
-    assert [c.header for c in table.columns] == ["128", "128 (paper)"]
+    (table,) = tables_of(entries, "ppl", paper=small_paper)
+    assert [c.header for c in table.columns] == ["N_calib=128", "N_calib=128 (paper)"]
     assert grid(table) == [("Original", 0.0, 12.5, 12.4), ("WANDA-sp", 0.1, 14.0, None),
                            ("RCPU (Rot.)", 0.1, 13.6, 13.55)]
-    assert marks_by_text(table) == {("RCPU (Rot.)", 0.1, "Llama-7B 128"): "bold",
-                                    ("WANDA-sp", 0.1, "Llama-7B 128"): "underline"}
+    assert marks_by_text(table) == {("RCPU (Rot.)", 0.1, "Llama-7B N_calib=128"): "bold",
+                                    ("WANDA-sp", 0.1, "Llama-7B N_calib=128"): "underline"}
+
+
+def test_paper_columns_only_where_the_paper_has_numbers(small_paper):
+    entries = [entry("rcpu-rot", 0.1, 13.6), entry("rcpu-rot", 0.1, 13.5, n_calib=512),
+               entry("rcpu-rot", 0.1, 11.6, model="Llama-2-13B"),
+               entry("custom", 0.1, 14.0, label="wanda-sp+procrustes", prune={"scorer": "wanda-sp"})]
+    main, other = tables_of(entries, "all", paper=small_paper)[:2]
+    # the small paper CSV has Llama-7B at N_calib=128 only, and no row of the other combinations
+    assert [(c.group, c.header) for c in main.columns] == [
+        ("Llama-7B", "N_calib=128"), ("Llama-7B", "N_calib=128 (paper)"), ("Llama-7B", "N_calib=512"),
+        ("Llama-2-13B", "N_calib=128")]
+    assert other.title.startswith("WikiText-2 perplexity of other scorer × compensator combinations")
+    assert not any(c.reference for c in other.columns) and grid(other) == [("wanda-sp+procrustes", 0.1, 14.0)]
 
 
 def test_paper_efficiency_rows_are_original_and_rcpu_rot_for_every_ncalib(small_paper):
     entries = [entry("original", 0.0, 12.4, n_calib=512), entry("rcpu-rot", 0.1, 13.5, n_calib=512)]
-    (table,) = make_tables(entries, "efficiency", paper=small_paper)
+    (table,) = tables_of(entries, "efficiency", paper=small_paper)
     params = [row.cells[1] for row in table.rows]  # the column after ours
     assert table.columns[1].header == "Params (paper)" and params == [6.73e9, 6.10e9]
 
@@ -317,7 +384,7 @@ def test_paper_reference_needs_the_papers_profile(small_paper):
     entries = [entry("rcpu-rot", 0.1, 13.6)]
     entries[0]["record"]["perplexity"].append({"profile": "std2048", "ppl": 6.0})
     with pytest.raises(ValueError, match="profile rcpu128; got --profile std2048"):
-        make_tables(entries, "ppl", profile="std2048", paper=small_paper)
+        tables_of(entries, "ppl", profile="std2048", paper=small_paper)
 
 
 def _shared_paper() -> PaperNumbers:
@@ -332,7 +399,7 @@ def paper_marks(label: str, model: str) -> tuple[dict, dict]:
     mark column), and as table_marks computes them from the paper's own numbers rendered as a table."""
     paper = _shared_paper()
     table = paper_table(paper, label)
-    computed = {(int(table.columns[j].header), table.rows[i].label, table.rows[i].ratio): mark
+    computed = {(int(table.columns[j].header.removeprefix("N_calib=")), table.rows[i].label, table.rows[i].ratio): mark
                 for (i, j), mark in table_marks(table).items() if table.columns[j].group == model}
     printed = {(c.n_calib, c.method, c.ratio): c.mark for c in paper.cells
                if c.label == label and c.model == model and c.mark}
@@ -368,7 +435,7 @@ def full_tables(paper: PaperNumbers | None = None):
                    prune={"scorer": "magnitude", "compensator": "none"})
     entries = [*ppl_entries(), entry("rcpu-rot", 0.1, 11.65, model="Llama-2-13B", zeroshot=ZEROSHOT),
                entry("rcpu-rot", 0.2, 14.4, prune={"compensate": []}), custom]
-    return make_tables(entries, "all", paper=paper)
+    return tables_of(entries, "all", paper=paper)
 
 
 def check_latex(text: str) -> None:
@@ -401,11 +468,17 @@ def test_latex_is_well_formed_booktabs_with_marks_and_gray_rcpu_rows(small_paper
     text = render(full_tables(small_paper), "latex")
     check_latex(text)
     # ppl, zero-shot (one slot has it), ablation, efficiency for each of three (model, N_calib) slots
-    assert text.count(r"\begin{tabular}") == 6
-    assert r"& \multicolumn{5}{c}{\textbf{Llama-7B}} & \multicolumn{2}{c}{\textbf{Llama-2-13B}} \\" in text
-    assert r"\cmidrule(lr){3-7} \cmidrule(lr){8-9}" in text
+    assert text.count(r"\begin{tabular}") == 7  # and the other combinations' perplexity
+    # a "(paper)" column only for Llama-7B at N_calib=128, where the (small) paper CSV has numbers
+    assert r"& \multicolumn{4}{c}{\textbf{Llama-7B}} & \multicolumn{1}{c}{\textbf{Llama-2-13B}} \\" in text
+    assert r"\cmidrule(lr){3-6} \cmidrule(lr){7-7}" in text
     assert "\\rowcolor{gray!15}\nRCPU (Rot.+Scale) & 10\\% & \\textbf{13.52} & 13.52 & " in text
     assert r"My\_method \& 50\% | x & 20\% & 20.00" in text and r"\underline{13.55}" in text
+    # λ_best, λ values and N_calib as math; no "lambda_best" or "N_calib" text left
+    assert r"\textbf{$N_\mathrm{calib}$=128 $\lambda_\mathrm{best}$}" in text
+    assert r"Prop.Score+LS ($\lambda_\mathrm{best}$) & 10\% & 15.00 &  & $10^{-2}$ & " in text
+    assert r"$\lambda_\mathrm{best}$: lowest calibration perplexity, the paper's rule}" in text
+    assert "lambda" + r"\_best" not in text and r"N\_calib" not in text
 
 
 @pytest.mark.skipif(shutil.which("pdflatex") is None, reason="pdflatex is not installed")
@@ -419,26 +492,30 @@ def test_latex_compiles(tmp_path, small_paper):
 
 
 def test_markdown_marks_and_lambda_note():
-    text = render(make_tables(ppl_entries(), "ppl"), "md")
+    text = render(tables_of(ppl_entries(), "ppl"), "md")
     lines = text.splitlines()
-    assert lines[0] == "### WikiText-2 perplexity (rcpu128, lower is better)"
-    assert lines[2].split("|")[1:-1] == [" Method                      ", " PR   ", " Llama-7B 128   ",
-                                          " Llama-7B 128 lambda_best   ", " Llama-7B 512   "]
+    assert lines[0] == ("### WikiText-2 perplexity (rcpu128, lower is better). lambda_best: lowest calibration "
+                        "perplexity, the paper's rule")
+    assert lines[2].split("|")[1:-1] == [" Method                      ", " PR   ", " Llama-7B N_calib=128   ",
+                                          " Llama-7B N_calib=128 lambda_best   ", " Llama-7B N_calib=512   "]
     assert lines[4].startswith("| Original ")
-    assert "| Prop.Score+LS (lambda_best) | 10%  | 15.00          | 1e-02" in text
-    assert "| RCPU (Rot.+Scale)           | 10%  | **13.52**      |" in text and "_13.48_" in text
+    assert "| Prop.Score+LS (lambda_best) | 10%  | 15.00                  | 1e-02" in text
+    assert "| RCPU (Rot.+Scale)           | 10%  | **13.52**              |" in text and "_13.48_" in text
 
 
 def test_csv_has_raw_numbers_and_no_marks():
-    rows = list(csv.reader(io.StringIO(render(make_tables(ppl_entries(), "ppl"), "csv"))))
-    assert rows[0] == ["table", "Method", "PR", "Llama-7B 128", "Llama-7B 128 lambda_best", "Llama-7B 512"]
+    rows = list(csv.reader(io.StringIO(render(tables_of(ppl_entries(), "ppl"), "csv"))))
+    assert rows[0] == ["table", "Method", "PR", "Llama-7B N_calib=128", "Llama-7B N_calib=128 lambda_best",
+                       "Llama-7B N_calib=512"]
     assert rows[3][1:] == ["Prop.Score+LS (lambda_best)", "0.1", "15", "1e-02", ""]
     assert rows[5][1:] == ["RCPU (Rot.+Scale)", "0.1", "13.52", "", "13.45"]
 
 
 @pytest.mark.parametrize("call, message", [
     (lambda: render([], "html"), "'html'; allowed: md, latex, csv"),
-    (lambda: spec("accuracy"), "'accuracy'; allowed: ppl, zeroshot, ablation, efficiency, all"),
+    (lambda: spec("accuracy"),
+     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, all"),
+    (lambda: tables_of(ppl_entries(), lambda_rule="median"), "'median'; allowed: paper, holdout"),
 ])
 def test_bad_names_are_reported_with_the_allowed_ones(call, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -463,7 +540,7 @@ def results(tmp_path) -> Path:
 def test_cli_prints_markdown_by_default(results, capsys):
     assert run_cli(["--results", str(results), "--table", "ppl"]) == 0
     out, err = capsys.readouterr()
-    assert out == render(make_tables(read_store(results).entries, "ppl"), "md")
+    assert out == render(make_tables(read_results(results).results, "ppl"), "md")
     assert "1 failed entries skipped" in err
 
 
@@ -495,6 +572,14 @@ def test_cli_reads_the_results_directory_that_run_writes_for_a_matrix(results, t
     shutil.copy(results / "records.jsonl", tmp_path / "results" / "smoke" / "records.jsonl")
     monkeypatch.chdir(tmp_path)
     assert run_cli(["--matrix", "smoke", "--table", "ppl"]) == 0
-    assert capsys.readouterr().out == render(make_tables(read_store(results).entries, "ppl"), "md")
+    assert capsys.readouterr().out == render(make_tables(read_results(results).results, "ppl"), "md")
     assert run_cli(["--table", "ppl"]) == 2
     assert "--results DIR, or --matrix NAME for results/<matrix name>" in capsys.readouterr().err
+
+
+def test_cli_lambda_rule(tmp_path, capsys):
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ridge_grid(None)), encoding="utf-8")
+    assert run_cli(["--results", str(tmp_path), "--table", "ppl", "--lambda-rule", "holdout"]) == 2
+    assert "lambda_rule holdout needs records run with --holdout" in capsys.readouterr().err
+    assert run_cli(["--results", str(tmp_path), "--table", "ppl", "--lambda-rule", "paper"]) == 0
+    assert "lambda_best: lowest calibration perplexity, the paper's rule" in capsys.readouterr().out

@@ -23,16 +23,18 @@ A cell may have several entries (a failure, then a retry); the newest one counts
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from rcpu_bench.matrix.spec import Cell, load_matrix
 from rcpu_bench.matrix.records import STORE_FILE, append_record, read_records
 
 RECORDS = STORE_FILE
@@ -45,22 +47,13 @@ def matrix_results_dir(matrix_name: str) -> Path:
     return RESULTS_ROOT / matrix_name
 
 
-def add_results_options(parser: Any) -> None:
-    """``--results DIR`` or ``--matrix NAME`` (its default results directory), for the commands that read a store."""
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--results", metavar="DIR", help=f"results directory holding {RECORDS}")
-    where.add_argument("--matrix", metavar="NAME_OR_YAML",
-                       help=f"read the results directory that `rcpu-bench run --matrix` writes: {RESULTS_ROOT}/<name>")
+class StoredCell(Protocol):
+    """What an entry needs of a matrix cell (rcpu_bench.matrix.spec.Cell): its id and its fields."""
 
+    @property
+    def id(self) -> str: ...
 
-def results_dir_of(args: Any) -> Path:
-    """The results directory named by ``--results`` or ``--matrix``; neither is a ValueError saying what to give."""
-    if args.results:
-        return Path(args.results)
-    if args.matrix:
-        return matrix_results_dir(load_matrix(args.matrix).name)
-    raise ValueError(f"say which results to read: --results DIR, or --matrix NAME for {RESULTS_ROOT}/<matrix name> "
-                     "(where `rcpu-bench run --matrix NAME` writes)")
+    def to_dict(self) -> dict[str, Any]: ...
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +64,7 @@ def error_info(error: BaseException) -> dict[str, str]:
             "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__))}
 
 
-def make_entry(cell: Cell, *, seconds: float, record: dict[str, Any] | None = None,
+def make_entry(cell: StoredCell, *, seconds: float, record: dict[str, Any] | None = None,
                error: dict[str, str] | None = None) -> dict[str, Any]:
     """The store entry of a finished cell: ok with its record, or failed with its error."""
     return {"cell_id": cell.id, "status": FAILED if error else OK, "error": error, "cell": cell.to_dict(),
@@ -95,8 +88,8 @@ class Store:
         return read_records(self.path) if self.path.exists() else []
 
     def latest(self) -> dict[str, dict[str, Any]]:
-        """The newest entry of each cell id."""
-        return {entry["cell_id"]: entry for entry in self.entries()}
+        """The newest entry of each cell id, in the order the newest entries were written."""
+        return {cell_id: entry for cell_id, (_, entry) in _newest(self.entries()).items()}
 
     def finished(self) -> set[str]:
         """Ids of the cells whose newest entry is ok: a resumed run skips them."""
@@ -131,3 +124,99 @@ class Store:
             with open(self.path, "r+b") as handle:
                 handle.truncate(keep)
                 os.fsync(handle.fileno())
+
+
+# ------------------------------------------------------------------------------------------ the one reader
+
+@dataclass(frozen=True)
+class StoredResult:
+    """A finished cell (``status == "ok"``) of a store: the cell it ran and run_experiment's record.
+
+    The fields below are what every reader uses; ``cell`` and ``record`` keep the whole entry."""
+
+    cell_id: str
+    cell: dict[str, Any]
+    record: dict[str, Any]
+    seconds: float
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> StoredResult:
+        """The result of a finished store entry (see the module docstring for the entry's format)."""
+        return cls(entry["cell_id"], entry["cell"], entry["record"], entry.get("seconds", 0.0))
+
+    @property
+    def model_label(self) -> str:
+        return self.cell["model_label"]
+
+    @property
+    def ratio(self) -> float:
+        return self.cell["ratio"]
+
+    @property
+    def n_calib(self) -> int:
+        return self.cell["n_calib"]
+
+    @property
+    def lam(self) -> float | None:
+        """The ridge λ of the cell, None for a method without a λ grid."""
+        return self.cell.get("lam")
+
+    @property
+    def prune(self) -> dict[str, Any]:
+        """The PruneConfig fields the run recorded."""
+        return self.record["experiment"]["prune"]
+
+
+@dataclass(frozen=True)
+class StoredResults:
+    """The finished results of a store, in the order they finished; failed cells are only counted."""
+
+    results: tuple[StoredResult, ...]
+    failed: int
+
+    def note_failed(self) -> None:
+        """Tell stderr how many failed entries were skipped."""
+        if self.failed:
+            print(f"rcpu-bench: {self.failed} failed entries skipped", file=sys.stderr)
+
+
+# The fields every reader of a finished entry relies on.
+REQUIRED = {"cell": ("model_label", "method_label", "ratio", "n_calib"),
+            "record": ("experiment", "perplexity", "parameters", "timing", "peak_memory_bytes")}
+
+
+def read_results(results_dir: str | Path, *, missing_ok: bool = False) -> StoredResults:
+    """The newest entry of each cell of ``<results_dir>/records.jsonl``, the ok ones as typed results.
+
+    A torn last line (a killed writer) is skipped; a cell with several entries (a failure, then a retry) counts
+    by its newest one. A missing store is a FileNotFoundError (``missing_ok``: no results); a finished entry
+    without the fields in :data:`REQUIRED` is a ValueError naming its line and the fields."""
+    path = Path(results_dir) / RECORDS
+    if not path.is_file():
+        if missing_ok:
+            return StoredResults((), 0)
+        raise FileNotFoundError(f"no results store {path} (expected {RECORDS} in the --results directory)")
+    try:
+        newest = _newest(read_records(path))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not a JSONL results store: {error}") from error
+    ok = [(number, line) for number, line in newest.values() if line.get("status") == OK]
+    for number, line in ok:
+        _check_entry(line, f"{path}:{number}")
+    return StoredResults(tuple(StoredResult.from_entry(line) for _, line in ok), len(newest) - len(ok))
+
+
+def _check_entry(entry: dict[str, Any], where: str) -> None:
+    for part, keys in REQUIRED.items():
+        missing = [key for key in keys if key not in (entry.get(part) or {})]
+        if missing:
+            raise ValueError(f"{where}: entry {entry.get('cell_id')} has no {part} field {', '.join(missing)}")
+
+
+def _newest(lines: list[dict[str, Any]]) -> dict[Any, tuple[int, dict[str, Any]]]:
+    """cell id → (line number, its newest entry), in the order the newest entries were written."""
+    newest: dict[Any, tuple[int, dict[str, Any]]] = {}
+    for number, line in enumerate(lines, start=1):
+        newest.pop(line.get("cell_id"), None)
+        newest[line.get("cell_id")] = number, line
+    return newest

@@ -1,0 +1,229 @@
+"""Which runs make which rows and columns of which table.
+
+Rows are method × pruning ratio, grouped by ratio with the Original row first. A row's label is computed from
+the run's final PruneConfig (:func:`rcpu_bench.pruning.methods.label_of`): runs of a named method (the paper's
+rows) go to the main tables, other scorer × compensator combinations to separate "other" tables (the efficiency
+table holds both), and RCPU (Rot.) runs compensating fewer modules to the ablation. Columns are grouped by slot,
+(model, N_calib).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rcpu_bench.evaluation.perplexity import get_profile
+from rcpu_bench.matrix.store import StoredResult
+from rcpu_bench.pruning.methods import ALIASES, MODULES, label_of
+from rcpu_bench.tables.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, Chosen, resolve
+from rcpu_bench.tables.results import (
+    EFFICIENCY,
+    EFFICIENCY_EXTRACTS,
+    LAMBDA,
+    PAPER_PROFILE,
+    PPL,
+    Extract,
+    Metric,
+    check_profile,
+    ppl_of,
+    zeroshot_metrics,
+)
+from rcpu_bench.tables.table import Column, Row, Table, Value, join
+
+if TYPE_CHECKING:
+    from rcpu_bench.tables.paper import PaperNumbers
+
+ROT = ALIASES["rcpu-rot"].label
+BOTH_MODULES = frozenset(MODULES)
+ABLATION_LABELS = {
+    frozenset(): f"{ROT} compensating none",
+    frozenset({"attention"}): f"{ROT} compensating o_proj only",
+    frozenset({"mlp"}): f"{ROT} compensating down_proj only",
+    BOTH_MODULES: f"{ROT} compensating both",
+}
+ROW_ORDER = [alias.label for alias in ALIASES.values()] + list(ABLATION_LABELS.values())
+TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency")
+
+Slot = tuple[str, int]  # (model label, N_calib): one column group, or one table of a per-slot kind
+RowKey = tuple[str, float]  # (row label, pruning ratio)
+RowOf = Callable[[StoredResult], "str | None"]  # the row label of a run, None when it is not in the table
+Getter = Callable[[RowKey], Value]
+
+
+def compensates_all(result: StoredResult) -> bool:
+    """Whether a run prunes and compensates both modules (attention and MLP)."""
+    prune = result.prune
+    return set(prune["prune"]) == BOTH_MODULES == set(prune["compensate"])
+
+
+def any_row(result: StoredResult) -> str | None:
+    """The row of a run pruning and compensating both modules in a main or an "other" table."""
+    return method_row(result) or other_row(result)
+
+
+def method_row(result: StoredResult) -> str | None:
+    """The row of a main table: the named method (the paper's rows) of a run pruning and compensating both
+    modules."""
+    return label_of(result.prune) if compensates_all(result) else None
+
+
+def other_row(result: StoredResult) -> str | None:
+    """The row of an "other" table: a run pruning and compensating both modules with no named method's
+    configuration, under its matrix label (e.g. ``wanda-sp+ridge``)."""
+    if not compensates_all(result) or label_of(result.prune) is not None:
+        return None
+    return result.cell["method_label"]
+
+
+def ablation_row(result: StoredResult) -> str | None:
+    """The row of the ablation table: RCPU (Rot.) runs pruning both modules, by the modules compensated."""
+    prune = result.prune
+    if label_of(prune) != ROT or set(prune["prune"]) != BOTH_MODULES:
+        return None
+    return ABLATION_LABELS[frozenset(prune["compensate"])]
+
+
+def row_order(row: RowKey) -> tuple[float, int, str]:
+    """Rows by ratio, then the paper's method order, then other labels alphabetically."""
+    label, ratio = row
+    return ratio, ROW_ORDER.index(label) if label in ROW_ORDER else len(ROW_ORDER), label
+
+
+def slot_of(result: StoredResult) -> Slot:
+    return result.model_label, result.n_calib
+
+
+def cell_grid(results: Sequence[StoredResult], row: RowOf, lambda_rule: str = DEFAULT_LAMBDA_RULE
+              ) -> dict[tuple[Slot, RowKey], Chosen]:
+    """The chosen run per (slot, row). An unpruned model does not depend on its calibration set, so an unpruned
+    row fills every N_calib column of its model, as the paper's Original row does."""
+    def key(result: StoredResult) -> tuple[Slot, RowKey] | None:
+        label = row(result)
+        return None if label is None else (slot_of(result), (label, result.ratio))
+
+    grid = resolve(results, key, lambda_rule)
+    unpruned: dict[tuple[str, RowKey], Chosen] = {}
+    for (slot, row_key), found in grid.items():
+        if row_key[1] == 0:
+            unpruned.setdefault((slot[0], row_key), found)
+    shared = {(slot, row_key): found for slot, _ in grid for (model, row_key), found in unpruned.items()
+              if model == slot[0]}
+    return {**shared, **grid}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How one kind of table is made from stored runs."""
+
+    title: str
+    row: RowOf
+    metrics: tuple[tuple[Metric, Extract], ...]
+    per_slot: bool  # one table per (model, N_calib), else one table with a column group per slot
+    paper: str  # the table kind in the paper CSV (none for the "other" kinds)
+
+
+OTHERS = " of other scorer × compensator combinations"
+
+
+def spec(kind: str, profile: str = PAPER_PROFILE, metric_map: str = "paper") -> Spec:
+    """The spec of one table kind."""
+    row, of = (other_row, OTHERS) if kind.endswith("-other") else (method_row, "")
+    if kind in ("ppl", "ppl-other"):
+        dataset = get_profile(profile).dataset
+        dataset = dataset.replace("wikitext2-test", "WikiText-2").replace("tinystories", "TinyStories")
+        return Spec(f"{dataset} perplexity{of} ({profile}, lower is better)", row, ((PPL, ppl_of(profile)),),
+                    per_slot=False, paper=kind)
+    if kind == "ablation":
+        return Spec(f"{ROT}: perplexity ({profile}) by compensated module", ablation_row,
+                    ((PPL, ppl_of(profile)),), per_slot=False, paper="ablation")
+    if kind in ("zeroshot", "zeroshot-other"):
+        return Spec(f"Zero-shot accuracy{of} (%, metric map {metric_map}, higher is better)", row,
+                    zeroshot_metrics(metric_map), per_slot=True, paper=kind)
+    if kind == "efficiency":
+        return Spec("Pruned model size, pruning cost and speed", any_row,
+                    tuple(zip(EFFICIENCY, EFFICIENCY_EXTRACTS, strict=True)), per_slot=True, paper="efficiency")
+    raise ValueError(f"unknown table {kind!r}; allowed: {', '.join(TABLE_KINDS)}, all")
+
+
+def make_tables(results: Sequence[StoredResult], table: str = "all", *, profile: str = PAPER_PROFILE,
+                metric_map: str = "paper", paper: PaperNumbers | None = None,
+                lambda_rule: str = DEFAULT_LAMBDA_RULE) -> list[Table]:
+    """The tables of one kind (or ``all``) from stored runs; empty tables are left out. ``lambda_rule`` chooses
+    λ_best of a ridge grid (rcpu_bench.tables.lambda_rules); the titles of tables with a λ column name it."""
+    if lambda_rule not in LAMBDA_RULES:
+        raise ValueError(f"unknown lambda rule {lambda_rule!r}; allowed: {', '.join(LAMBDA_RULES)}")
+    kinds = TABLE_KINDS if table == "all" else (table,)
+    specs = [spec(kind, profile, metric_map) for kind in kinds]
+    if {"ppl", "ppl-other", "ablation"} & set(kinds):
+        check_profile(results, profile)
+        if paper is not None and profile != PAPER_PROFILE:
+            raise ValueError(f"the paper's perplexities are profile {PAPER_PROFILE}; got --profile {profile}")
+    return [t for s in specs for t in build_tables(results, s, paper, lambda_rule)]
+
+
+def build_tables(results: Sequence[StoredResult], table_spec: Spec, paper: PaperNumbers | None,
+                 lambda_rule: str = DEFAULT_LAMBDA_RULE) -> list[Table]:
+    """The tables of one spec: per slot, or one table with a column group per slot."""
+    grid = cell_grid(results, table_spec.row, lambda_rule)
+    slots = _slot_order(results, {slot for slot, _ in grid})
+    if table_spec.per_slot:
+        tables = [_assemble(f"{table_spec.title}: {model}, N_calib={n}", table_spec, [(model, n)], grid, paper,
+                            lambda_rule) for model, n in slots]
+    else:
+        tables = [_assemble(table_spec.title, table_spec, slots, grid, paper, lambda_rule)]
+    return [t for t in tables if t.rows]
+
+
+def _slot_order(results: Sequence[StoredResult], slots: set[Slot]) -> list[Slot]:
+    """Smaller models first (by parameter count before pruning), then by N_calib."""
+    size: dict[str, float] = {}
+    for result in results:
+        size[result.model_label] = max(size.get(result.model_label, 0), result.record["parameters"]["before"])
+    return sorted(slots, key=lambda slot: (size.get(slot[0], 0), slot))
+
+
+def _assemble(title: str, table_spec: Spec, slots: Sequence[Slot], grid: Mapping[tuple[Slot, RowKey], Chosen],
+              paper: PaperNumbers | None, lambda_rule: str) -> Table:
+    """A table over some slots; rows with none of our values are left out; a λ column names the rule."""
+    pairs = [pair for slot in slots for pair in _slot_columns(table_spec, slot, grid, paper)]
+    ours = [j for j, (column, _) in enumerate(pairs) if column.metric not in (None, LAMBDA) and not column.reference]
+    rows = []
+    for key in sorted({row for slot, row in grid if slot in slots}, key=row_order):
+        cells = tuple(get(key) for _, get in pairs)
+        if any(cells[j] is not None for j in ours):
+            rows.append(Row(key[0], key[1], cells))
+    if any(column.metric is LAMBDA for column, _ in pairs):
+        title = f"{title}. {LAMBDA.header}: {LAMBDA_RULES[lambda_rule]}"
+    return Table(title, tuple(column for column, _ in pairs), tuple(rows))
+
+
+def _slot_columns(table_spec: Spec, slot: Slot, grid: Mapping[tuple[Slot, RowKey], Chosen],
+                  paper: PaperNumbers | None) -> list[tuple[Column, Getter]]:
+    """One slot's columns and how to fill them: each metric (then the paper's, where the paper has numbers for
+    this slot), then λ_best if any row has a λ."""
+    model, n_calib = slot
+    prefix, group = ("", "") if table_spec.per_slot else (f"N_calib={n_calib}", model)
+    found = {row: chosen for (s, row), chosen in grid.items() if s == slot}
+    pairs: list[tuple[Column, Getter]] = []
+    for metric, extract in table_spec.metrics:
+        header = join(prefix, metric.header)
+        pairs.append((Column(header, group, metric), _ours(found, extract)))
+        if paper is not None and paper.reports(table_spec.paper, slot, metric.key):
+            pairs.append((Column(join(header, "(paper)"), group, metric, reference=True),
+                          _theirs(paper, table_spec.paper, slot, metric.key)))
+    if any(chosen.lam is not None for chosen in found.values()):
+        pairs.append((Column(join(prefix, LAMBDA.header), group, LAMBDA), _lam(found)))
+    return pairs
+
+
+def _ours(found: Mapping[RowKey, Chosen], extract: Extract) -> Getter:
+    return lambda row: extract(found[row].result.record) if row in found else None
+
+
+def _theirs(paper: PaperNumbers, kind: str, slot: Slot, metric: str) -> Getter:
+    return lambda row: paper.value(kind, slot, row, metric)
+
+
+def _lam(found: Mapping[RowKey, Chosen]) -> Getter:
+    return lambda row: found[row].lam if row in found else None
