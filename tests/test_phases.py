@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import sys
 import types
@@ -10,26 +9,20 @@ import types
 import pytest
 import torch
 from tiny_matrices import tiny_matrix
+from tiny_models import needs_stories
 
+from rcpu_bench.cli import main
 from rcpu_bench.matrix import executors
 from rcpu_bench.matrix.experiment import run_experiment
 from rcpu_bench.matrix.phases import lambda_group, plan_phases
-from rcpu_bench.matrix.runner import add_parser, run_matrix
+from rcpu_bench.matrix.runner import run_matrix
 from rcpu_bench.matrix.spec import expand, load_matrix
 from rcpu_bench.matrix.store import Store
 from rcpu_bench.registry import default_registry
-from tiny_models import needs_stories
 
 REGISTRY = default_registry()
 LAMBDAS = [1.0e-3, 1.0, 1.0e3]
 RIDGE = {"name": "my-ridge", "scorer": "wanda-sp", "compensator": "ridge"}  # a λ-grid method (λ left free)
-
-
-def cli(*args: str) -> int:
-    parser = argparse.ArgumentParser(prog="rcpu-bench")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    parsed = parser.parse_args(["run", *args])
-    return parsed.func(parsed)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -93,7 +86,7 @@ def test_the_paper_matrix_runs_zero_shot_once_per_lambda_group_and_the_dry_run_s
     assert counts == {"cells": 309, "groups": groups, "deferred": grid, "phase1_zeroshot": others,
                       "phase2_zeroshot": groups, "zeroshot": others + groups, "zeroshot_every_cell": 309,
                       "reprunes": groups}
-    assert cli("--matrix", "paper", "--dry-run") == 0
+    assert main(["run", "--matrix", "paper", "--dry-run"]) == 0
     tail = capsys.readouterr().out.rstrip().splitlines()[-4:]
     assert tail == [
         "309 cells",
@@ -169,8 +162,12 @@ def test_a_crash_between_the_phases_loses_nothing_and_the_rerun_continues_with_p
     phase1 = Store(tmp_path).entries()
     assert [e["phase"] for e in phase1] == ["ppl"] * 3 and len(prunings) == 4
     prunings.clear()
-    summary = run_matrix(matrix, tmp_path, progress=False)
+    plans = []
+    summary = run_matrix(matrix, tmp_path, progress=False, announce=plans.append)
     assert (summary.skipped, summary.ok, summary.best_ok) == (3, 0, 1) and len(prunings) == 1
+    assert "  3 cells: 0 to run, 3 already finished\n" in plans[0]
+    assert "  zero-shot at λ_best: 1 of 1 groups to run\n" in plans[0]
+    assert "phase 2: zero-shot at λ_best (rule paper: lowest calibration perplexity) for each of 1 λ groups" in plans[0]
     entries = Store(tmp_path).entries()
     assert entries[:3] == phase1 and entries[3]["phase"] == "lambda_best"
 

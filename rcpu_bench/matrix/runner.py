@@ -215,7 +215,7 @@ def plan_text(matrix: Matrix, cells: Sequence[Cell], todo: Sequence[Cell], store
     plan = plan or plan_phases(cells)
     ratios = sorted({cell.ratio for cell in cells})
     stored = _stored(store)
-    phase2 = plan.phase2(stored)
+    phase2 = plan.phase2(store.entries())
     best = [b.cell for b in phase2.todo] + [group[0] for group in phase2.waiting]
     lines = [f"matrix {matrix.name}: models {', '.join(_by_model(cells))}",
              f"  methods: {', '.join(dict.fromkeys(cell.method_label for cell in cells))}",
@@ -232,7 +232,7 @@ def plan_text(matrix: Matrix, cells: Sequence[Cell], todo: Sequence[Cell], store
 
 
 def _stored(store: Store) -> list[dict[str, Any]]:
-    return tables.read_store(store.dir).entries if (store.dir / RECORDS).is_file() else []
+    return list(tables.read_store(store.dir).entries) if (store.dir / RECORDS).is_file() else []
 
 
 def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local", resume: bool = True,
