@@ -3,6 +3,7 @@
 Each finished cell is appended (and fsynced) to ``<results_dir>/records.jsonl`` the moment it ends, so
 Ctrl-C or a SIGKILL loses only the cell in progress; a rerun skips the cells whose newest entry is ok
 and retries the failed ones. One failing cell is recorded with its traceback and the run goes on.
+λ-grid cells that ask for zero-shot run it only at λ_best, in a second phase (rcpu_bench.matrix.phases).
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ from tabulate import tabulate
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from rcpu_bench.tables import plots
-from rcpu_bench.tables import tables
-from rcpu_bench.matrix.executors import EXECUTORS, make_executor
+from rcpu_bench.matrix.executors import EXECUTORS, Executor, make_executor
+from rcpu_bench.matrix.phases import (
+    PHASE_LAMBDA_BEST,
+    PhasePlan,
+    lambda_best_entry,
+    phase1_entries,
+    plan_phases,
+)
 from rcpu_bench.matrix.spec import (
     Cell,
     Matrix,
@@ -33,9 +39,6 @@ from rcpu_bench.matrix.spec import (
     load_matrix,
     shipped_matrices,
 )
-from rcpu_bench.model.loading import load_config
-from rcpu_bench.pruning.pipeline import PruneConfig
-from rcpu_bench.registry import Registry, default_registry
 from rcpu_bench.matrix.store import (
     FAILED,
     OK,
@@ -44,6 +47,10 @@ from rcpu_bench.matrix.store import (
     StoreBusyError,
     matrix_results_dir,
 )
+from rcpu_bench.model.loading import load_config
+from rcpu_bench.pruning.pipeline import PruneConfig
+from rcpu_bench.registry import Registry, default_registry
+from rcpu_bench.tables import plots, tables
 
 # Seconds per cell assumed for a model with no cell stored yet, by parameter count (upper bound, seconds):
 # stories260K on a 2-core CPU with the smoke matrix's evaluation subset, then rough guesses for a 1B model on a
@@ -82,30 +89,50 @@ def preflight(cells: list[Cell], registry: Registry) -> None:
 
 @dataclass
 class RunSummary:
-    """What a run did: cells in the matrix, finished ok or failed now, skipped as already finished."""
+    """What a run did: cells in the matrix, finished ok or failed now, skipped as already finished; with λ groups
+    (rcpu_bench.matrix.phases), the zero-shot runs at λ_best likewise, and the groups waiting for failed cells."""
 
     results_dir: Path
     total: int
     skipped: int
     ok: int = 0
     failed: int = 0
+    groups: int = 0
+    best_ok: int = 0
+    best_failed: int = 0
+    best_skipped: int = 0
+    best_waiting: int = 0
 
     def add(self, entry: dict[str, Any]) -> None:
-        if entry["status"] == OK:
-            self.ok += 1
+        ok = entry["status"] == OK
+        if entry.get("phase") == PHASE_LAMBDA_BEST:
+            self.best_ok, self.best_failed = self.best_ok + ok, self.best_failed + (not ok)
         else:
-            self.failed += 1
+            self.ok, self.failed = self.ok + ok, self.failed + (not ok)
+
+    @property
+    def any_failed(self) -> bool:
+        return bool(self.failed or self.best_failed)
 
     def counts(self) -> str:
-        return f"ok={self.ok} failed={self.failed} skipped={self.skipped}"
+        cells = f"ok={self.ok} failed={self.failed} skipped={self.skipped}"
+        if not self.groups:
+            return cells
+        return (f"{cells}; zero-shot at λ_best: ok={self.best_ok} failed={self.best_failed} "
+                f"skipped={self.best_skipped} waiting={self.best_waiting}")
 
 
 def _outcome(entry: dict[str, Any]) -> str:
-    """The perplexities of an ok entry, or the error type and first message line of a failed one."""
+    """The perplexities of an ok entry, or the error type and first message line of a failed one; for a zero-shot
+    run at λ_best, how many λ it was chosen from and whether the re-pruned model reproduced phase 1."""
     if entry["status"] == FAILED:
         error = entry["error"]
         return f"{error['type']}: {(error['message'].splitlines() or [''])[0]}"
     record = entry["record"]
+    if entry.get("phase") == PHASE_LAMBDA_BEST:
+        first, again = entry["reproduced"]["calibration_ppl"]
+        same = "identical" if entry["reproduced"]["identical"] else f"NOT identical: calibration {first} vs {again}"
+        return f"zero-shot at λ_best of {len(entry['chosen_from'])} λ (re-pruned model {same})"
     ppl = [f"{p['profile']} {p['ppl']:.3f}" for p in record["perplexity"]]
     return ", ".join([*ppl, f"calibration {record['calibration_ppl']:.3f}"])
 
@@ -180,23 +207,32 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-def plan_text(matrix: Matrix, cells: Sequence[Cell], todo: Sequence[Cell], store: Store) -> str:
-    """What a run will do: the matrix, its models, methods and ratios, the cells to run and finished, where the
-    results go and an estimate of the time."""
+def plan_text(matrix: Matrix, cells: Sequence[Cell], todo: Sequence[Cell], store: Store,
+              plan: PhasePlan | None = None) -> str:
+    """What a run will do: the matrix, its models, methods and ratios, the cells to run and finished, the phases
+    when λ-grid cells wait for λ_best, where the results go and an estimate of the time (a zero-shot run at
+    λ_best counts as a cell)."""
+    plan = plan or plan_phases(cells)
     ratios = sorted({cell.ratio for cell in cells})
+    stored = _stored(store)
+    phase2 = plan.phase2(store.entries())
+    best = [b.cell for b in phase2.todo] + [group[0] for group in phase2.waiting]
     lines = [f"matrix {matrix.name}: models {', '.join(_by_model(cells))}",
              f"  methods: {', '.join(dict.fromkeys(cell.method_label for cell in cells))}",
              f"  ratios: {', '.join(tables.percent(r) for r in ratios)}",
              f"  {len(cells)} cells: {len(todo)} to run, {len(cells) - len(todo)} already finished",
+             *(f"  {line}" for line in plan.describe()),
              f"  results: {store.dir / RECORDS}"]
-    if todo:
-        seconds, how = estimate_seconds(todo, [e for e in _stored(store) if e["status"] == OK])
+    if plan.groups:
+        lines.insert(-1, f"  zero-shot at λ_best: {len(best)} of {len(plan.groups)} groups to run")
+    if todo or best:
+        seconds, how = estimate_seconds([*todo, *best], [e for e in stored if e["status"] == OK])
         lines.append(f"  estimated time: about {_duration(seconds)} (an estimate; {how})")
     return "\n".join(lines)
 
 
 def _stored(store: Store) -> list[dict[str, Any]]:
-    return tables.read_store(store.dir).entries if (store.dir / RECORDS).is_file() else []
+    return list(tables.read_store(store.dir).entries) if (store.dir / RECORDS).is_file() else []
 
 
 def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local", resume: bool = True,
@@ -206,36 +242,67 @@ def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local",
 
     The whole matrix is validated before any cell runs. ``resume=False`` reruns finished cells too
     (the newest entry wins). ``registry`` defaults to the installed plugins. ``announce`` receives the
-    plan (:func:`plan_text`) before the first cell runs.
+    plan (:func:`plan_text`) before the first cell runs. λ-grid cells that ask for zero-shot run it only at
+    λ_best, after every cell of their group has its perplexity (two phases, rcpu_bench.matrix.phases).
     """
     registry = registry or default_registry()
     cells = expand(matrix, registry)
     preflight(cells, registry)
     cell_runner = make_executor(executor, ray_address=ray_address)
+    plan = plan_phases(cells)
     store = Store(results_dir)
     with store.writing() as append:
-        finished = store.finished() if resume else set()
+        finished = set(phase1_entries(store.entries())) if resume else set()
         todo = [cell for cell in cells if cell.id not in finished]
-        summary = RunSummary(store.dir, len(cells), skipped=len(cells) - len(todo))
+        summary = RunSummary(store.dir, len(cells), skipped=len(cells) - len(todo), groups=len(plan.groups))
         if announce:
-            announce(plan_text(matrix, cells, todo, store))
-        shown = Progress(summary, todo, matrix.name, progress)
-        with closing(shown), closing(cell_runner.run(todo, registry, shown.started)) as entries:
-            for entry in entries:
-                append(entry)
-                summary.add(entry)
-                shown.finished(entry)
+            announce(plan_text(matrix, cells, todo, store, plan))
+        phase = _Phase(cell_runner, registry, summary, append, progress)
+        phase.run(f"matrix {matrix.name}", [(plan.phase1_cell(cell), cell) for cell in todo], plan.phase1_entry)
+        if plan.groups:
+            phase2 = plan.phase2(store.entries())
+            summary.best_skipped, summary.best_waiting = phase2.done, len(phase2.waiting)
+            phase.run(f"matrix {matrix.name} λ_best", [(best.cell, best) for best in phase2.todo], lambda_best_entry)
     return summary
+
+
+@dataclass
+class _Phase:
+    """Runs one phase's cells and stores their entries as they end."""
+
+    cell_runner: Executor
+    registry: Registry
+    summary: RunSummary
+    append: Callable[[dict[str, Any]], None]
+    progress: bool
+
+    def run(self, name: str, jobs: Sequence[tuple[Cell, Any]],
+            to_entry: Callable[[dict[str, Any], Any], dict[str, Any]]) -> None:
+        """Run the cell of each (cell, target) job; the store gets ``to_entry(entry, target)``, where the target
+        is the matrix cell (phase 1) or the λ_best choice (phase 2)."""
+        if not jobs:
+            return
+        targets = {cell.id: target for cell, target in jobs}
+        shown = Progress(self.summary, [getattr(t, "cell", t) for t in targets.values()], name, self.progress)
+        with closing(shown), closing(self.cell_runner.run([cell for cell, _ in jobs], self.registry,
+                                                          shown.started)) as entries:
+            for run in entries:
+                entry = to_entry(run, targets[run["cell_id"]])
+                self.append(entry)
+                self.summary.add(entry)
+                shown.finished(entry)
 
 
 # ------------------------------------------------------------------------------------------ command line
 
 
 def dry_run_table(cells: list[Cell]) -> str:
-    """The cells of a matrix, one row each (id, model, method, ratio, n_calib, λ)."""
+    """The cells of a matrix, one row each (id, model, method, ratio, n_calib, λ), their count, and the phases
+    when λ-grid cells run zero-shot only at λ_best (rcpu_bench.matrix.phases)."""
     rows = [(c.id, c.model_label, c.method_name(), c.ratio, c.n_calib, "" if c.lam is None else f"{c.lam:g}")
             for c in cells]
-    return tabulate(rows, headers=["cell", "model", "method", "ratio", "n_calib", "λ"]) + f"\n{len(cells)} cells"
+    table = tabulate(rows, headers=["cell", "model", "method", "ratio", "n_calib", "λ"])
+    return "\n".join([table, f"{len(cells)} cells", *plan_phases(cells).describe()])
 
 
 def report_results(results_dir: Path) -> None:
@@ -273,11 +340,11 @@ def cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     print(f"matrix {matrix.name}: {summary.total} cells, {summary.counts()}; entries in {summary.results_dir}")
-    if summary.failed:
+    if summary.any_failed:
         print("failed cells are retried by the next run (their tracebacks are in the store)")
     if summary.ok + summary.skipped:
         report_results(summary.results_dir)
-    return 1 if summary.failed else 0
+    return 1 if summary.any_failed else 0
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
