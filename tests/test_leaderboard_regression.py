@@ -13,7 +13,6 @@ import pytest
 
 from rcpu_bench.matrix.executors import ModelCache, run_cell
 from rcpu_bench.matrix.spec import expand, load_matrix
-from rcpu_bench.paths import shared_dir
 from rcpu_bench.registry import default_registry
 from rcpu_bench.matrix.store import Store
 

@@ -30,7 +30,7 @@ from rcpu_bench.matrix.runner import (
     estimate_seconds,
     run_matrix,
 )
-from rcpu_bench.matrix.store import Store
+from rcpu_bench.matrix.store import Store, read_results
 
 REGISTRY = default_registry()
 TIMEOUT_S = 120
@@ -265,13 +265,13 @@ def test_run_prints_the_plan_then_plain_cell_lines_then_the_table_and_plots(caps
     assert "(an estimate; mha: 6 s/cell, the default for its size (no cell stored yet))" in cells
     assert len(re.findall(r"^\[    ok\] ", out, flags=re.MULTILINE)) == 3
     assert "### TinyStories perplexity (tinystories[900:920], lower is better)" in out
-    assert f"plots (1 PNG files) in {results / 'plots'}" in out
-    assert [p.suffix for p in (results / "plots").iterdir()] == [".png"]
+    assert f"plots (3 files: PNG, PDF, SVG) in {results / 'plots'}" in out
+    assert sorted(p.suffix for p in (results / "plots").iterdir()) == [".pdf", ".png", ".svg"]
     # A rerun estimates nothing (nothing to run), and a new cell is estimated from the stored cells' mean.
     assert cli("--matrix", str(matrix_file), "--results", str(results), "--quiet") == 0
     assert "3 cells: 0 to run, 3 already finished" in capsys.readouterr().out
-    stored = Store(results).entries()
-    mean = sum(e["seconds"] for e in stored) / 3
+    stored = read_results(results).results
+    mean = sum(r.seconds for r in stored) / 3
     seconds, how = estimate_seconds(expand(tiny_matrix(["rcpu-rot-scale"]), REGISTRY), stored)
     assert seconds == pytest.approx(mean) and how == f"mha: {mean:.1f} s/cell, the mean of its 3 stored cells"
 

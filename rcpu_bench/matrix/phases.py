@@ -32,11 +32,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rcpu_bench.matrix.spec import Cell
-from rcpu_bench.matrix.store import OK
+from rcpu_bench.matrix.store import OK, StoredResult
 
-# The paper's λ_best rule. MERGE: it moves to rcpu_bench.tables.lambda_rules (the tables helper's split of
-# tables.py); this import becomes `from rcpu_bench.tables.lambda_rules import choose`.
-from rcpu_bench.tables.tables import choose
+from rcpu_bench.tables.lambda_rules import choose
 
 ZEROSHOT = "zeroshot"
 PHASE_PPL = "ppl"  # a λ-grid cell's entry of phase 1: pruning and perplexity, zero-shot deferred
@@ -115,7 +113,8 @@ class PhasePlan:
             if any(cell.id not in phase1 for cell in group):
                 waiting.append(group)
                 continue
-            best = choose(lambda_group(group[0]), [phase1[cell.id] for cell in group]).entry
+            results = [StoredResult.from_entry(phase1[cell.id]) for cell in group]
+            best = phase1[choose(lambda_group(group[0]), results).result.cell_id]
             latest = newest[best["cell_id"]]
             if latest["status"] == OK and ZEROSHOT in latest["record"]:
                 done += 1

@@ -30,6 +30,11 @@ from rcpu_bench.matrix.phases import (
     phase1_entries,
     plan_phases,
 )
+from rcpu_bench.tables import plots
+from rcpu_bench.tables.layout import make_tables
+from rcpu_bench.tables.render import render
+from rcpu_bench.tables.results import default_profile
+from rcpu_bench.tables.table import percent
 from rcpu_bench.matrix.spec import (
     Cell,
     Matrix,
@@ -45,12 +50,13 @@ from rcpu_bench.matrix.store import (
     RECORDS,
     Store,
     StoreBusyError,
+    StoredResult,
     matrix_results_dir,
+    read_results,
 )
 from rcpu_bench.model.loading import load_config
 from rcpu_bench.pruning.pipeline import PruneConfig
 from rcpu_bench.registry import Registry, default_registry
-from rcpu_bench.tables import plots, tables
 
 # Seconds per cell assumed for a model with no cell stored yet, by parameter count (upper bound, seconds):
 # stories260K on a 2-core CPU with the smoke matrix's evaluation subset, then rough guesses for a 1B model on a
@@ -178,12 +184,12 @@ def default_cell_seconds(parameters: float) -> float:
     return next(seconds for bound, seconds in DEFAULT_CELL_SECONDS if parameters <= bound)
 
 
-def estimate_seconds(todo: Sequence[Cell], stored: Sequence[dict[str, Any]]) -> tuple[float, str]:
+def estimate_seconds(todo: Sequence[Cell], stored: Sequence[StoredResult]) -> tuple[float, str]:
     """(seconds, how they were estimated) for running ``todo``: per cell, the mean seconds of the finished cells of
     the same model already in the store, else DEFAULT_CELL_SECONDS for the model's size."""
     seconds: dict[str, list[float]] = {}
-    for entry in stored:
-        seconds.setdefault(entry["cell"]["model_label"], []).append(entry["seconds"])
+    for result in stored:
+        seconds.setdefault(result.model_label, []).append(result.seconds)
     total, sources = 0.0, []
     for label, cells in _by_model(todo).items():
         if label in seconds:
@@ -214,25 +220,20 @@ def plan_text(matrix: Matrix, cells: Sequence[Cell], todo: Sequence[Cell], store
     λ_best counts as a cell)."""
     plan = plan or plan_phases(cells)
     ratios = sorted({cell.ratio for cell in cells})
-    stored = _stored(store)
     phase2 = plan.phase2(store.entries())
     best = [b.cell for b in phase2.todo] + [group[0] for group in phase2.waiting]
     lines = [f"matrix {matrix.name}: models {', '.join(_by_model(cells))}",
              f"  methods: {', '.join(dict.fromkeys(cell.method_label for cell in cells))}",
-             f"  ratios: {', '.join(tables.percent(r) for r in ratios)}",
+             f"  ratios: {', '.join(percent(r) for r in ratios)}",
              f"  {len(cells)} cells: {len(todo)} to run, {len(cells) - len(todo)} already finished",
              *(f"  {line}" for line in plan.describe()),
              f"  results: {store.dir / RECORDS}"]
     if plan.groups:
         lines.insert(-1, f"  zero-shot at λ_best: {len(best)} of {len(plan.groups)} groups to run")
     if todo or best:
-        seconds, how = estimate_seconds([*todo, *best], [e for e in stored if e["status"] == OK])
+        seconds, how = estimate_seconds([*todo, *best], read_results(store.dir, missing_ok=True).results)
         lines.append(f"  estimated time: about {_duration(seconds)} (an estimate; {how})")
     return "\n".join(lines)
-
-
-def _stored(store: Store) -> list[dict[str, Any]]:
-    return list(tables.read_store(store.dir).entries) if (store.dir / RECORDS).is_file() else []
 
 
 def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local", resume: bool = True,
@@ -308,15 +309,15 @@ def dry_run_table(cells: list[Cell]) -> str:
 def report_results(results_dir: Path) -> None:
     """Print the perplexity table of the store (as ``rcpu-bench tables --results DIR --table ppl``) and write the
     plots into ``<results_dir>/plots``."""
-    store = tables.read_store(results_dir)
-    profile = tables.default_profile(store.entries)
+    results = read_results(results_dir).results
+    profile = default_profile(results)
     try:
-        print(tables.render(tables.make_tables(store.entries, "ppl", profile=profile)), end="")
-        written = plots.write_plots(store.entries, results_dir / "plots", profile)
+        print(render(make_tables(results, "ppl", profile=profile)), end="")
+        written = plots.write_plots(results, results_dir / "plots", profile)
     except ValueError as error:  # e.g. no cell evaluated that profile
         print(f"no table or plots: {error}")
         return
-    print(f"plots ({len(written)} PNG files) in {results_dir / 'plots'}; all tables: "
+    print(f"plots ({len(written)} files: PNG, PDF, SVG) in {results_dir / 'plots'}; all tables: "
           f"rcpu-bench tables --results {results_dir}")
 
 

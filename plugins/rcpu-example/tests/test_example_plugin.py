@@ -12,7 +12,7 @@ from rcpu_bench.matrix.runner import run_matrix
 from rcpu_bench.matrix.spec import parse_matrix
 from rcpu_bench.registry import build_registry, default_registry, plugin_manager
 from rcpu_bench.statistics.activations import ActivationStats
-from rcpu_bench.tables.tables import read_store
+from rcpu_bench.matrix.store import read_results
 
 
 def problem(d_out: int = 7, d_in: int = 10, n: int = 400, seed: int = 0):
@@ -90,6 +90,6 @@ def test_a_matrix_uses_the_plugin_by_name(tmp_path):
         "ppl_profiles": ["tinystories[900:920]"]})
     summary = run_matrix(matrix, tmp_path, progress=False)
     assert summary.ok == 1 and summary.failed == 0
-    (entry,) = read_store(tmp_path).entries
-    assert entry["record"]["experiment"]["prune"]["compensator"] == "procrustes-bias"
-    assert entry["record"]["perplexity"][0]["ppl"] > 1
+    (result,) = read_results(tmp_path).results
+    assert result.prune["compensator"] == "procrustes-bias"
+    assert result.record["perplexity"][0]["ppl"] > 1
