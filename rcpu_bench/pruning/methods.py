@@ -67,7 +67,6 @@ RECIPES: dict[str, Recipe] = {r.key: r for r in (
            {"model_method": "slicegpt", "model_method_params": {"budget": "params"}},
            identity=("model_method", "model_method_params")),
 )}
-ALIASES = RECIPES  # the former name, still read by rcpu_bench.tables
 
 
 def get_recipe(key: str) -> Recipe:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rcpu_bench.matrix.spec import NOT_HASHED
+from rcpu_bench.matrix.cells import NOT_HASHED
 from rcpu_bench.matrix.store import StoredResult
 
 LAMBDA_RULES = {

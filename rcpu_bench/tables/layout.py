@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from rcpu_bench.evaluation.perplexity import get_profile
 from rcpu_bench.matrix.store import StoredResult
-from rcpu_bench.pruning.methods import ALIASES, MODULES, label_of
+from rcpu_bench.pruning.methods import MODULES, RECIPES, cell_label, label_of
 from rcpu_bench.tables.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, Chosen, resolve
 from rcpu_bench.tables.results import (
     EFFICIENCY,
@@ -34,7 +34,7 @@ from rcpu_bench.tables.table import Column, Row, Table, Value, join
 if TYPE_CHECKING:
     from rcpu_bench.tables.paper import PaperNumbers
 
-ROT = ALIASES["rcpu-rot"].label
+ROT = RECIPES["rcpu-rot"].label
 BOTH_MODULES = frozenset(MODULES)
 ABLATION_LABELS = {
     frozenset(): f"{ROT} compensating none",
@@ -42,7 +42,7 @@ ABLATION_LABELS = {
     frozenset({"mlp"}): f"{ROT} compensating down_proj only",
     BOTH_MODULES: f"{ROT} compensating both",
 }
-ROW_ORDER = [alias.label for alias in ALIASES.values()] + list(ABLATION_LABELS.values())
+ROW_ORDER = [recipe.label for recipe in RECIPES.values()] + list(ABLATION_LABELS.values())
 TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency")
 
 Slot = tuple[str, int]  # (model label, N_calib): one column group, or one table of a per-slot kind
@@ -70,10 +70,10 @@ def method_row(result: StoredResult) -> str | None:
 
 def other_row(result: StoredResult) -> str | None:
     """The row of an "other" table: a run pruning and compensating both modules with no named method's
-    configuration, under its matrix label (e.g. ``wanda-sp+ridge``)."""
+    configuration, under its label from the final configuration (e.g. ``wanda-sp+ridge``)."""
     if not compensates_all(result) or label_of(result.prune) is not None:
         return None
-    return result.cell["method_label"]
+    return cell_label(result.cell)
 
 
 def ablation_row(result: StoredResult) -> str | None:

@@ -25,6 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from rcpu_bench.matrix.store import StoredResult, read_results
+from rcpu_bench.pruning.options import is_default_pipeline
 from rcpu_bench.tables.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, resolve
 from rcpu_bench.tables.layout import any_row, cell_grid, compensates_all
 from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, default_profile, ppl_of
@@ -59,9 +60,7 @@ LambdaPanels = dict[tuple[int, str, float], LambdaCurve]  # (N_calib, scorer, ra
 
 def _plotted(result: StoredResult) -> bool:
     """Pruned runs of the RCPU pipeline (uniform structure, sequential statistics) on both modules."""
-    prune = result.prune
-    return (compensates_all(result) and result.ratio > 0
-            and prune["structure"] == "uniform" and prune["statistics"] == "sequential")
+    return compensates_all(result) and result.ratio > 0 and is_default_pipeline(result.prune)
 
 
 def _ppl(result: StoredResult, profile: str) -> float | None:

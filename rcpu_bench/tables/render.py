@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
-from rcpu_bench.pruning.methods import ALIASES
+from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.tables.table import Column, Table, Value, join, percent, table_marks
 
 FORMATS = ("md", "latex", "csv")
-SHADED = frozenset({ALIASES["rcpu-rot"].label, ALIASES["rcpu-rot-scale"].label})  # the paper's gray RCPU rows
+SHADED = frozenset({RECIPES["rcpu-rot"].label, RECIPES["rcpu-rot-scale"].label})  # the paper's gray RCPU rows
 
 _LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                   "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}

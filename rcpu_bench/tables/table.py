@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from rcpu_bench.pruning.methods import ALIASES
+from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.tables.results import Better, Metric
 
-ORIGINAL = ALIASES["original"].label
+ORIGINAL = RECIPES["original"].label
 
 Mark = Literal["bold", "underline"]
 Value = float | str | None  # one cell of a table
