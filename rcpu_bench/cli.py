@@ -81,7 +81,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                          structure=args.structure, recollect_mlp=args.recollect_mlp, offload=args.offload,
                          batch_size=args.batch_size, gram_precision=args.gram_precision,
                          model_method=args.model_method,
-                         model_method_params=_params(args.model_method_param))
+                         model_method_params=_params(args.model_method_param), holdout=args.holdout)
     experiment = Experiment(model=args.model or default_model(), prune=config, calib=args.calib, ppl_profiles=tuple(args.ppl),
                             revision=args.revision, dtype=args.dtype, device=args.device,
                             eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
@@ -134,6 +134,9 @@ def _add_prune_parser(commands) -> None:
                    help="G = sum x x^T from float32 products summed in float64 (mixed), or all float64")
     p.add_argument("--calib", default=DEFAULT_CALIB,
                    help="calibration data SOURCE[:NxSEQLEN][:seed=S]; sources wikitext2, tinystories, file:PATH")
+    p.add_argument("--holdout", type=int, default=0, metavar="N",
+                   help="N held-out windows disjoint from the calibration ones: record each module's calibration "
+                        "and held-out reconstruction error (record['generalisation'])")
     p.add_argument("--ppl", action="append", default=None, metavar="PROFILE",
                    help="perplexity profile(s): rcpu128, std2048, tinystories, tinystories[START:STOP] "
                         "(default: rcpu128)")

@@ -80,7 +80,7 @@ NOT_HASHED = ("matrix", "model_label", "method", "method_label", "device", "eval
 # Fields added after results were stored, with their unset value: hashed only when set, so the ids of
 # stored cells stay valid.
 HASHED_WHEN_SET = {"zeroshot_limit": None}
-PRUNE_HASHED_WHEN_SET = {"model_method": None, "model_method_params": {}, "gram_precision": "mixed"}
+PRUNE_HASHED_WHEN_SET = {"model_method": None, "model_method_params": {}, "gram_precision": "mixed", "holdout": 0}
 
 
 class MatrixError(ValueError):
