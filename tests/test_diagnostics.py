@@ -108,7 +108,7 @@ def test_calibration_errors_order_least_squares_scaled_rotation_rotation_none(pr
                                                               abs=1e-10)
     order = [errors[name]["calibration_error"] for name in ("ridge", "scaled-procrustes", "procrustes", "none")
              if name in errors]
-    assert all(a <= b + 1e-9 for a, b in zip(order, order[1:]))
+    assert all(a <= b + 1e-9 for a, b in zip(order, order[1:], strict=False))
     assert errors["none"]["degrees_of_freedom"] == 0
     assert errors["procrustes"]["degrees_of_freedom"] == w.shape[0] * (w.shape[0] - 1) // 2
 

@@ -45,7 +45,8 @@ def relative_error(weight: Tensor, stats: ActivationStats, kept: Tensor, new_wei
     problem = Problem(weight, stats, kept)
     y_norm2 = float(problem.y_norm2)
     if not y_norm2 > 0:
-        raise ValueError("‖Y‖_F² = 0 on these tokens: the module's dense output is zero, its relative error is undefined")
+        raise ValueError("‖Y‖_F² = 0 on these tokens: the module's dense output is zero, "
+                         "its relative error is undefined")
     return problem.error(new_weight, bias) / y_norm2
 
 
