@@ -34,7 +34,8 @@ RULE_HOLDOUT = "λ_best: held-out error"
 
 
 def _lam_text(lam: float) -> str:
-    return f"λ={lam:g}" if lam == 0 or abs(math.log10(lam) % 1) > 1e-9 else f"λ=1e{round(math.log10(lam)):+d}"
+    power = lam > 0 and abs(math.log10(lam) - round(math.log10(lam))) < 1e-9
+    return f"λ={lam:.0e}" if power else f"λ={lam:g}"
 
 
 def generalisation_runs(entries: Sequence[Entry]) -> dict[Place, Runs]:
