@@ -76,7 +76,7 @@ def test_ridge_degrees_of_freedom_at_lambda_zero_is_d_out_times_the_rank(problem
     assert ridge_degrees_of_freedom(xk.T @ xk, 0.0, w.shape[0]) == w.shape[0] * torch.linalg.matrix_rank(xk)
 
 
-@pytest.mark.parametrize("d_out", [1, 2, 5, 64])
+@pytest.mark.parametrize("d_out", [1, 2, 5, 9])
 def test_rotation_degrees_of_freedom_is_the_dimension_of_skew_symmetric_matrices(d_out):
     """O(d) has the dimension of its Lie algebra, the skew-symmetric d × d matrices: one free entry per i < j."""
     skew = torch.stack([(torch.eye(d_out)[i][:, None] * torch.eye(d_out)[j] - torch.eye(d_out)[j][:, None]

@@ -171,6 +171,7 @@ def test_tables_choose_lambda_by_each_rule_and_figures_are_written(tmp_path):
     text = render(tables, "md")
     assert "0.1000" in text and "N_calib=4" in text
     paths = generalisation.write_plots(entries, tmp_path)
-    assert sorted(p.name for p in paths) == ["holdout_error_per_layer_m_20_N4.png", "holdout_error_vs_ncalib_m_20_.png"]
+    names = sorted(p.name for p in paths)
+    assert names == ["holdout_error_per_layer_m_0.2_N4.png", "holdout_error_vs_ncalib_m_0.2.png"]
     assert all(Path(p).stat().st_size > 0 for p in paths)
     assert generalisation.make_tables([{**entries[2], "record": {}}]) == []

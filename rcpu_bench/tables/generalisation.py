@@ -174,8 +174,8 @@ def write_plots(entries: Sequence[Entry], out_dir: str | Path) -> list[Path]:
     for each N_calib. Returns their paths (none without held-out diagnostics)."""
     out_dir, paths = Path(out_dir), []
     for (model, ratio), runs in generalisation_runs(entries).items():
-        figures = [(_file_name("holdout_error_vs_ncalib", model, percent(ratio)), draw_sizes(model, ratio, runs))]
-        figures += [(_file_name("holdout_error_per_layer", model, percent(ratio), f"N{n}"),
+        figures = [(_file_name("holdout_error_vs_ncalib", model, f"{ratio:g}"), draw_sizes(model, ratio, runs))]
+        figures += [(_file_name("holdout_error_per_layer", model, f"{ratio:g}", f"N{n}"),
                      draw_layers(model, ratio, n, runs)) for n in _sizes(runs)]
         out_dir.mkdir(parents=True, exist_ok=True)
         for name, figure in figures:
