@@ -6,6 +6,12 @@ record's inference-speed and text-sample measurements replaced by an explicit "s
 records; cell ids are those of the overridden matrix. Run from the repository root:
 
     python results/ncalib/run_reduced.py
+
+What the store holds (the machine ran at load average 20-25, ~1-17 min per cell): this script's cells for
+N_calib 2, 8, 32 (all six methods) and 128 (ridge λ = 1e-2, 1, 1e2; stopped at the deadline), plus two
+N_calib = 512 cells run the same way in separate processes with ``--set calib.n_calib=[512]`` (ridge λ = 1e-2)
+and additionally ``--set methods=[rcpu-rot]`` (RCPU (Rot.)), their store lines appended to this store.
+``summary.txt`` lists every cell; ``generalisation.md``, ``tables.md`` and ``plots/`` are rendered from it.
 """
 
 import sys
