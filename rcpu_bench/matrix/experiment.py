@@ -87,7 +87,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     calib = data.calibration_data(experiment.calib, tokenizer, data_dir=experiment.data_dir,
                                   max_positions=model.config.max_position_embeddings)
     holdout = experiment.prune.holdout
-    holdout_ids = data.holdout_windows(experiment.calib, tokenizer, holdout, data_dir=experiment.data_dir) if holdout else None
+    holdout_ids = (data.holdout_windows(experiment.calib, tokenizer, holdout, data_dir=experiment.data_dir)
+                   if holdout else None)
     params_before = parameter_count(model)
     report = prune_model(model, calib.tokens, experiment.prune, registry=registry, device=experiment.device,
                          progress=progress, holdout_ids=holdout_ids)

@@ -199,7 +199,8 @@ def _projection(layer: nn.Module, module: str) -> nn.Linear:
 
 
 def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: PruneConfig, registry: Registry,
-                 timer: Timer, units: Selection | None = None, held_out: ActivationStats | None = None) -> dict[str, Any]:
+                 timer: Timer, units: Selection | None = None,
+                 held_out: ActivationStats | None = None) -> dict[str, Any]:
     """Score, select, compensate and shrink one module of one layer; returns its diagnostics."""
     proj = _projection(layer, module)
     mapping = unit_map(layer, module, config.gqa_rule)
@@ -313,8 +314,8 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         timer = Timer(device)
         with _on_device(layer, device, config.offload):
             held_stats = held.dense_stats(layer, timer) if held else None
-            report, outputs = _prune_layer(layer, inputs, config, registry, timer, selections[index] if selections else None,
-                                           held_stats)
+            selection = selections[index] if selections else None
+            report, outputs = _prune_layer(layer, inputs, config, registry, timer, selection, held_stats)
             if config.statistics == "sequential":
                 with timer("forward"):
                     outputs = run_layer(layer, inputs)
