@@ -353,7 +353,8 @@ def _capture(model: nn.Module, calib_ids: Tensor, config: PruneConfig, device: t
             module.to("cpu")
 
 
-def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig, device: torch.device) -> HeldOut | None:
+def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig,
+              device: torch.device) -> HeldOut | None:
     """The held-out windows' layer-0 inputs, checked against ``config.holdout``; None without a held-out split."""
     rows = 0 if holdout_ids is None else len(holdout_ids)
     if rows != config.holdout:
