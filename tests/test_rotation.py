@@ -16,7 +16,7 @@ from tiny_models import tiny_config, tiny_model, tokens
 
 from rcpu_bench.compensation import compensators as C
 from rcpu_bench.compensation import rotation as R
-from rcpu_bench.pruning.methods import ALIASES, label_of
+from rcpu_bench.pruning.methods import RECIPES, label_of
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import PluginContractError, default_registry
 from rcpu_bench.statistics.activations import ActivationStats
@@ -265,7 +265,7 @@ def test_contract_tolerance_scales_with_dtype_and_opt_out_is_explicit(info, prob
 
 
 def test_official_alias_labels_its_records_and_no_other():
-    official = PruneConfig(**ALIASES["rcpu-official"].prune).to_dict()
+    official = PruneConfig(**RECIPES["rcpu-official"].prune).to_dict()
     assert label_of(official) == "RCPU (Rot., official numerics)"
     for fields, label in [({}, "RCPU (Rot.)"), ({"compensator_params": {"dtype": "float32"}}, "RCPU (Rot.)"),
                           ({"scorer_params": {"activation": "mean-abs"}}, "RCPU (Rot.)"),
@@ -275,7 +275,7 @@ def test_official_alias_labels_its_records_and_no_other():
 
 def test_official_alias_prunes_a_model_and_records_the_unchecked_error():
     model = tiny_model(tiny_config())
-    config = PruneConfig(ratio=0.5, **ALIASES["rcpu-official"].prune)
+    config = PruneConfig(ratio=0.5, **RECIPES["rcpu-official"].prune)
     config.validate(default_registry())
     report = prune_model(model, tokens(model.config.vocab_size, batch=4, length=16), config, progress=False)
     modules = [m for layer in report.layers for m in layer.values() if isinstance(m, dict) and "solver" in m]

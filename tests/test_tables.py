@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rcpu_bench.matrix.store import StoredResult, read_results
-from rcpu_bench.pruning.methods import ALIASES
+from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.tables import results as values
 from rcpu_bench.tables.layout import make_tables, spec
 from rcpu_bench.tables.paper import PaperNumbers, mark_disagreements, paper_table, read_paper
@@ -42,7 +42,7 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
           params_after: int = 5_000_000_000, peak_bytes: int = 1024 * MIB, prune_seconds: float = 32.0,
           n_layers: int = 32, seqlen: int = 128, matrix: str = "paper", status: str = "ok") -> dict[str, Any]:
     """A store entry as the store writes it: the cell, and the record of run_experiment."""
-    alias = ALIASES.get(method)
+    alias = RECIPES.get(method)
     config = {**PRUNE_DEFAULTS, **(alias.prune if alias else {}), "ratio": ratio, **(prune or {})}
     if lam is not None:
         config["compensator_params"] = {"lam": lam}
