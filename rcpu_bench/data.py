@@ -317,3 +317,28 @@ def calibration_data(spec: CalibSpec | str, tokenizer, *, data_dir: Path | str |
     provenance = Provenance(spec.source, source.split, source.origin, source.sha256, len(stream),
                             spec.n_samples, spec.seqlen, spec.seed)
     return CalibData(_WINDOWS[window_key].clone(), provenance)
+
+
+def holdout_windows(spec: CalibSpec | str, tokenizer, n_windows: int, *, data_dir: Path | str | None = None) -> Tensor:
+    """``n_windows`` windows of ``spec``'s source that share no token position with any calibration window.
+
+    The offsets continue the calibration's random stream (``random.Random(seed)`` after its ``n_samples``
+    draws), rejecting every window that overlaps a calibration window; held-out windows may overlap each
+    other, as calibration windows do. Raises if the stream is too short to find them.
+    """
+    if n_windows < 1:
+        raise ValueError(f"held-out windows: n_windows={n_windows} must be at least 1")
+    spec = parse_calib(spec) if isinstance(spec, str) else spec
+    stream = token_stream(load_source(spec.source, data_dir), tokenizer)
+    last = len(stream) - spec.seqlen - 1
+    rng = random.Random(spec.seed)
+    calib = [rng.randint(0, last) for _ in range(spec.n_samples)]
+    starts: list[int] = []
+    for _ in range(1000 * n_windows):
+        start = rng.randint(0, last)
+        if all(abs(start - c) >= spec.seqlen for c in calib):
+            starts.append(start)
+        if len(starts) == n_windows:
+            return torch.stack([stream[i : i + spec.seqlen] for i in starts])
+    raise ValueError(f"found only {len(starts)} of {n_windows} held-out windows disjoint from the {spec} calibration "
+                     "windows; use fewer held-out or calibration windows or a longer source")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rcpu_bench import data
+from rcpu_bench.compensation import diagnostics
 from rcpu_bench.evaluation import perplexity
 from rcpu_bench.evaluation.generation import text_sample
 from rcpu_bench.model.loading import LoadedModel, load_config, load_model, parameter_count, resolve_device, resolve_dtype
@@ -85,9 +86,12 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     model, tokenizer = loaded.model, loaded.tokenizer
     calib = data.calibration_data(experiment.calib, tokenizer, data_dir=experiment.data_dir,
                                   max_positions=model.config.max_position_embeddings)
+    holdout = experiment.prune.holdout
+    holdout_ids = (data.holdout_windows(experiment.calib, tokenizer, holdout, data_dir=experiment.data_dir)
+                   if holdout else None)
     params_before = parameter_count(model)
     report = prune_model(model, calib.tokens, experiment.prune, registry=registry, device=experiment.device,
-                         progress=progress)
+                         progress=progress, holdout_ids=holdout_ids)
     params_after = parameter_count(model)
     model.to(experiment.device)
     calib_nll, calib_targets = perplexity.sequence_nll(model, list(calib.tokens), batch_size=experiment.eval_batch_size,
@@ -113,6 +117,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     # Inference speed beside the size, and greedy text to read before / after pruning (rcpu_bench.evaluation.speed, .generation).
     record["inference"] = inference_speed(model)
     record["sample"] = text_sample(model, tokenizer)
+    if holdout:
+        record["generalisation"] = diagnostics.summary(report.layers, holdout)
     if report.method_report is not None:
         record["method_report"] = report.method_report
     if evaluate:

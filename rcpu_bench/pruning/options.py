@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 MODULES = ("attention", "mlp")  # the prunable modules of a decoder layer: heads (o_proj) and channels (down_proj)
 
-Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count"]
+Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count", "windows"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Option:
 
     ``kind``: ``name`` a registered method's name (checked against the registry), ``params`` its keyword
     parameters (``--x-param K=V``, repeatable), ``ratio`` a number in [0, 1), ``choice`` one of ``choices``,
-    ``modules`` a subset of :data:`MODULES`, ``flag`` a boolean, ``count`` an integer >= 1.
+    ``modules`` a subset of :data:`MODULES`, ``flag`` a boolean, ``count`` an integer >= 1, ``windows`` an integer >= 0.
     """
 
     name: str
@@ -57,7 +57,7 @@ class Option:
         return {"name": "a registered name (rcpu-bench plugins)", "params": "a mapping of parameters",
                 "ratio": "a number in [0, 1)", "choice": ", ".join(self.choices),
                 "modules": f"a subset of {', '.join(MODULES)}", "flag": "true, false",
-                "count": "an integer >= 1"}[self.kind]
+                "count": "an integer >= 1", "windows": "an integer >= 0"}[self.kind]
 
     def check(self, value: Any) -> None:
         """Raise ValueError naming the option, the bad value and what is allowed; registry names are not looked up."""
@@ -83,7 +83,7 @@ def _valid(option: Option, value: Any) -> bool:
         return isinstance(value, tuple) and set(value) <= set(MODULES) and len(set(value)) == len(value)
     if kind == "flag":
         return isinstance(value, bool)
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, int) and not isinstance(value, bool) and value >= (1 if kind == "count" else 0)
 
 
 def option(kind: Kind, default: Any, help: str, *, hashed: Literal["always", "when-set"] = "always",
@@ -133,6 +133,9 @@ class PruneConfig:
                                       "scorer × compensator", hashed="when-set", recipe=True)
     model_method_params: dict[str, Any] = option("params", {}, "the whole-model method's parameters, e.g. "
                                                  "budget='params'", hashed="when-set", recipe=True)
+    holdout: int = option("windows", 0, "held-out calibration windows, disjoint from the calibration ones: record "
+                          "each module's calibration and held-out reconstruction error (record['generalisation'])",
+                          hashed="when-set")
 
     def validate(self, registry: Registry) -> None:
         """Raise a clear error for any bad value before work starts: each option's own check, then the registry's."""
@@ -144,6 +147,9 @@ class PruneConfig:
             registry.get("model-method", self.model_method).validate(self.model_method_params)
             if self.offload:
                 raise ValueError(f"offload=True is not supported with the whole-model method {self.model_method!r}")
+        if self.holdout and (self.model_method is not None or self.recollect_mlp):
+            raise ValueError(f"holdout={self.holdout} needs the layer-wise pipeline without recollect_mlp; allowed: "
+                             "holdout=0 with a whole-model method or recollect_mlp")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -212,7 +218,7 @@ def parse_modules(text: str) -> tuple[str, ...]:
 
 
 def _metavar(option: Option) -> str | None:
-    return {"name": "NAME", "params": "KEY=VALUE", "ratio": "RHO", "modules": "MODULES", "count": "N"}.get(option.kind)
+    return {"name": "NAME", "params": "KEY=VALUE", "ratio": "RHO", "modules": "MODULES", "count": "N", "windows": "N"}.get(option.kind)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -226,7 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             default = ",".join(option.default) if option.kind == "modules" else option.default  # parsed by argparse
             kwargs.update(default=default, metavar=_metavar(option),
-                          type={"ratio": float, "count": int, "modules": parse_modules}.get(option.kind, str))
+                          type={"ratio": float, "count": int, "windows": int, "modules": parse_modules}.get(option.kind, str))
             if option.kind == "choice":
                 kwargs.update(choices=option.choices, metavar=None)
         parser.add_argument(option.flag, **kwargs)

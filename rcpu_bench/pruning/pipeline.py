@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from rcpu_bench.compensation.diagnostics import module_generalisation
 from rcpu_bench.model.adapter import decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
 from rcpu_bench.model.views import UnitMap
@@ -60,7 +61,8 @@ def select_units(mapping: UnitMap, scores: Tensor, config: PruneConfig) -> Selec
 
 
 def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: PruneConfig, methods: Resolved,
-                 timer: Timer, units: Selection | None = None) -> dict[str, Any]:
+                 timer: Timer, units: Selection | None = None,
+                 held_out: ActivationStats | None = None) -> dict[str, Any]:
     """Score, select, compensate and shrink one module of one layer; returns its diagnostics."""
     view = layer_view(layer)
     proj = view.projection(module)
@@ -74,13 +76,18 @@ def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: 
     params = config.compensator_params if module in config.compensate else {}
     with timer("solve"):
         result = compensator(proj.weight, stats, columns.kept, columns.pruned, **params)
+    diagnostics = {} if held_out is None else {
+        "generalisation": module_generalisation(proj.weight, stats, held_out, columns.kept, compensator.name, result)}
     view.apply(module, columns, result.weight, result.bias)
     return {"compensator": compensator.name, "units_total": len(units.kept) + len(units.pruned),
-            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info}
+            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info, **diagnostics}
 
 
 def _gram_modules(modules: list[str], config: PruneConfig, methods: Resolved) -> list[str]:
-    """Modules whose scorer or compensator needs G; the others collect only the cheaper moments."""
+    """Modules whose scorer or compensator needs G (every pruned module for the held-out diagnostics); the others
+    collect only the cheaper moments."""
+    if config.holdout:
+        return modules
     return [m for m in modules if methods.needs_gram(m in config.compensate)]
 
 
@@ -106,6 +113,25 @@ def _collect(layer: nn.Module, modules: list[str], inputs: list[LayerInput], gra
     return stats, outputs
 
 
+class HeldOut:
+    """Held-out windows' layer inputs, advanced through the layers like the calibration inputs (diagnostics.py)."""
+
+    def __init__(self, inputs: list[LayerInput], modules: list[str], gram_precision: GramPrecision):
+        self.inputs, self.modules, self.gram_precision = inputs, modules, gram_precision
+
+    def dense_stats(self, layer: nn.Module, timer: Timer) -> dict[str, ActivationStats]:
+        """G (and moments) of each module's held-out inputs from one pass of the dense layer."""
+        with timer("holdout"):
+            stats, self.dense_outputs = _collect(layer, self.modules, self.inputs, self.modules, self.gram_precision)
+        return stats
+
+    def advance(self, layer: nn.Module, statistics: str, timer: Timer) -> None:
+        """Next layer's inputs: the pruned layer's outputs (sequential) or the dense ones (one-shot)."""
+        with timer("holdout"):
+            outputs = run_layer(layer, self.inputs) if statistics == "sequential" else self.dense_outputs
+        self.inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, self.inputs, strict=True)]
+
+
 @dataclass
 class PruneReport:
     """Per-layer diagnostics and timings of one pruning run."""
@@ -125,8 +151,13 @@ def _peak_memory(device: torch.device) -> int:
 
 @torch.no_grad()
 def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, registry: Registry | None = None,
-                device: torch.device | str | None = None, progress: bool = True) -> PruneReport:
-    """Prune and compensate every decoder layer of ``model`` in place from calibration token windows."""
+                device: torch.device | str | None = None, progress: bool = True,
+                holdout_ids: Tensor | None = None) -> PruneReport:
+    """Prune and compensate every decoder layer of ``model`` in place from calibration token windows.
+
+    With ``config.holdout`` > 0, ``holdout_ids`` holds that many held-out windows (``data.holdout_windows``)
+    and each module's report gets its ``generalisation`` diagnostics (``compensation/diagnostics.py``).
+    """
     registry = registry or default_registry()
     config.validate(registry)
     methods = registry.resolve(scorer=config.scorer, compensator=config.compensator, model_method=config.model_method)
@@ -140,15 +171,19 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     totals = Timer(device)
     with totals("capture"):
         inputs = _capture(model, calib_ids, config, device)
+    held = _held_out(model, holdout_ids, config, device)
     reports = []
     for index, layer in enumerate(tqdm(layers, desc="pruning layers", disable=not progress)):
         timer = Timer(device)
         with _on_device(layer, device, config.offload):
             selection = selections[index] if selections else None
-            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selection)
+            held_stats = held.dense_stats(layer, timer) if held else None
+            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selection, held_stats)
             if config.statistics == "sequential":
                 with timer("forward"):
                     outputs = run_layer(layer, inputs)
+            if held:
+                held.advance(layer, config.statistics, timer)
         inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
         reports.append({"layer": index, **report, "seconds": timer.seconds})
         for key, value in timer.seconds.items():
@@ -181,8 +216,22 @@ def _capture(model: nn.Module, calib_ids: Tensor, config: PruneConfig, device: t
             module.to("cpu")
 
 
+def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig,
+              device: torch.device) -> HeldOut | None:
+    """The held-out windows' layer-0 inputs, checked against ``config.holdout``; None without a held-out split."""
+    rows = 0 if holdout_ids is None else len(holdout_ids)
+    if rows != config.holdout:
+        raise ValueError(f"holdout={config.holdout} but {rows} held-out windows were given; pass holdout_ids "
+                         "(data.holdout_windows) with exactly that many windows")
+    if not rows:
+        return None
+    modules = [m for m in MODULES if m in config.prune]
+    return HeldOut(_capture(model, holdout_ids, config, device), modules, config.gram_precision)
+
+
 def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig, methods: Resolved, timer: Timer,
-                 selections: dict[str, Selection] | None) -> tuple[dict[str, Any], list[Tensor]]:
+                 selections: dict[str, Selection] | None, held_out: dict[str, ActivationStats] | None = None
+                 ) -> tuple[dict[str, Any], list[Tensor]]:
     """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
     modules = [m for m in MODULES if m in config.prune]
     gram = _gram_modules(modules, config, methods)
@@ -194,7 +243,8 @@ def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig
             with timer("statistics"):
                 stats["mlp"] = _collect(layer, ["mlp"], inputs, gram, config.gram_precision)[0]["mlp"]
         units = selections[module] if selections else None
-        report[module] = prune_module(layer, module, stats[module], config, methods, timer, units)
+        report[module] = prune_module(layer, module, stats[module], config, methods, timer, units,
+                                      held_out[module] if held_out else None)
     return report, dense_outputs
 
 
