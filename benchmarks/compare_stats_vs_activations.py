@@ -47,10 +47,10 @@ from torch import Tensor, nn
 from transformers import LlamaForCausalLM
 
 from rcpu_bench.model.loading import decoder_layers
+from rcpu_bench.model.surgery import prune_attention, prune_mlp
 from rcpu_bench.pruning.pipeline import PruneConfig, Timer, capture_layer_inputs, prune_module, run_layer, unit_map
 from rcpu_bench.registry import default_registry
 from rcpu_bench.statistics.activations import GRAM_PRECISIONS, collect_input_stats
-from rcpu_bench.model.surgery import prune_attention, prune_mlp
 
 SEED = 0
 RATIO = 0.2
@@ -409,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for tokens in args.tokens:
-            baseline = 0.0 if torch.device(args.device).type == "cuda" else spawn(replace(base, tokens=tokens))["peak_mib"]
+            on_cuda = torch.device(args.device).type == "cuda"
+            baseline = 0.0 if on_cuda else spawn(replace(base, tokens=tokens))["peak_mib"]
             rows += [row for compensator in args.compensator
                      for row in compare(tokens, compensator, args, base, baseline, Path(workdir))]
     print(tabulate([r for r in rows if "agreement" not in r["part"]], headers="keys", floatfmt=".3g"))
@@ -419,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio": RATIO, "lambda": LAMBDA, "seqlen": SEQLEN, "batch_windows": BATCH_WINDOWS,
                     "torch": torch.__version__}
         args.out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2, default=str))
-    failed = [r for r in rows if "agreement" in r["part"] and not (r["same_selection"] and r["max_rel_diff"] <= TOLERANCE)]
+    failed = [r for r in rows
+              if "agreement" in r["part"] and not (r["same_selection"] and r["max_rel_diff"] <= TOLERANCE)]
     for row in failed:
         print(f"MISMATCH N={row['tokens']} {row['compensator']} {row['part']} {row['variant']}: same selection "
               f"{row['same_selection']}, max relative difference {row['max_rel_diff']:.2e} (tolerance {TOLERANCE:g})")

@@ -9,23 +9,20 @@ from typing import Any
 
 from tabulate import tabulate
 
-from rcpu_bench.evaluation import generation
-from rcpu_bench.tables import plots
+from rcpu_bench.evaluation import generation, speed, zeroshot
 from rcpu_bench.matrix import runner
-from rcpu_bench.evaluation import speed
-from rcpu_bench.tables import tables
-from rcpu_bench.evaluation import zeroshot
 from rcpu_bench.matrix.experiment import (
     DEFAULT_CALIB,
     Experiment,
     default_model,
     run_experiment,
 )
+from rcpu_bench.matrix.records import append_record
 from rcpu_bench.model.loading import add_model_options
 from rcpu_bench.pruning.pipeline import MODULES, PruneConfig
-from rcpu_bench.matrix.records import append_record
 from rcpu_bench.registry import default_registry
 from rcpu_bench.statistics.activations import GRAM_PRECISIONS
+from rcpu_bench.tables import plots, tables
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

@@ -57,6 +57,7 @@ from huggingface_hub import constants
 from tabulate import tabulate
 
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS, table_metric
+from rcpu_bench.matrix.records import append_record, library_versions
 from rcpu_bench.model.loading import (
     LoadedModel,
     add_model_options,
@@ -67,9 +68,8 @@ from rcpu_bench.model.loading import (
     resolve_device,
     resolve_dtype,
 )
-from rcpu_bench.paths import data_dir as default_data_dir
 from rcpu_bench.model.persistence import MANIFEST, load_saved, read_manifest
-from rcpu_bench.matrix.records import append_record, library_versions
+from rcpu_bench.paths import data_dir as default_data_dir
 
 logger = logging.getLogger(__name__)
 
