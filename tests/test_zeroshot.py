@@ -371,7 +371,7 @@ def test_eval_command_on_a_save_pruned_directory(tmp_path, capsys):
                 provenance=loaded.provenance)
     out = tmp_path / "runs.jsonl"
     code = run_eval(["--model", str(tmp_path / "pruned"), "--tasks", "piqa,winogrande", "--limit", "5",
-                     "--batch-size", "4", "--out", str(out)])
+                     "--eval-batch-size", "4", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0 and "piqa" in printed and "winogrande" in printed and "source: local" in printed
     (record,) = read_records(out)
@@ -418,7 +418,7 @@ def test_eval_command_on_a_paper_task_and_our_own_with_lm_eval_outputs(tmp_path,
     (["--log-samples"], "--log-samples needs --output-path"),
     (["--num-fewshot", "-2"], "num_fewshot must be an integer >= 0, got -2"),
     (["--limit", "0"], "limit (examples per task) must be a positive integer"),
-    (["--batch-size", "-1"], "batch size must be a positive integer"),
+    (["--eval-batch-size", "-1"], "batch size must be a positive integer"),
     (["--data-dir", "/no/such/data"], "zero-shot data file(s) not found"),
     (["--source", "hub"], "HF_HUB_OFFLINE is set"),
     (["--dtype", "int8"], "int8"),
