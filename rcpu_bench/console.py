@@ -19,7 +19,7 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
 from typing import TextIO, TypeVar
 
@@ -122,8 +122,8 @@ def progress(iterable: Iterable[T], *, desc: str, total: int | None = None, unit
 
     ``total`` defaults to ``len(iterable)`` where it has one.
     """
-    if total is None and hasattr(iterable, "__len__"):
-        total = len(iterable)  # type: ignore[arg-type]
+    if total is None and isinstance(iterable, Sized):
+        total = len(iterable)
     if not enabled or _state.quiet:
         yield from iterable
         return

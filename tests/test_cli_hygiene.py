@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
