@@ -80,16 +80,24 @@ def configure(*, quiet: bool = False, out: TextIO | None = None) -> None:
     terminal; quiet keeps only warnings and errors. The Hugging Face libraries' bars are shown only
     when ours are.
     """
-    _state.quiet, _state.stream, _state.depth = quiet, out, 0
+    reset()
+    _state.quiet, _state.stream = quiet, out
     handler = _Handler()
     handler.setFormatter(logging.Formatter("%(message)s" if is_terminal() else "%(asctime)s %(message)s",
                                            datefmt=TIME_FORMAT))
-    for old in [h for h in LOGGER.handlers if isinstance(h, _Handler)]:
-        LOGGER.removeHandler(old)
     LOGGER.addHandler(handler)
     LOGGER.setLevel(logging.WARNING if quiet else logging.INFO)
-    LOGGER.propagate = False
     _library_bars(showing_bars())
+
+
+def reset() -> None:
+    """Back to the state of a fresh import (what a library user gets): not quiet, standard error, no
+    handler of ours (so info lines go nowhere), the Hugging Face bars on."""
+    _state.quiet, _state.stream, _state.depth = False, None, 0
+    for old in [h for h in LOGGER.handlers if isinstance(h, _Handler)]:
+        LOGGER.removeHandler(old)
+    LOGGER.setLevel(logging.NOTSET)
+    _library_bars(True)
 
 
 def _library_bars(enabled: bool) -> None:

@@ -29,9 +29,9 @@ class Terminal(io.StringIO):
 
 
 @pytest.fixture(autouse=True)
-def default_console():
+def fresh_console():
     yield
-    console.configure()
+    console.reset()
 
 
 def subcommands() -> dict:
