@@ -138,9 +138,10 @@ def progress(iterable: Iterable[T], *, desc: str, total: int | None = None, unit
     _state.depth += 1
     try:
         if is_terminal():
-            outer = _state.depth == 1
-            yield from tqdm(iterable, desc=desc, total=total, unit=unit, file=stream(), leave=outer,
-                            position=_state.depth - 1, dynamic_ncols=True)
+            # tqdm places a bar below those already open (ours or a caller's own tqdm bar) and, with
+            # leave=None, removes it when done unless it is the outermost.
+            yield from tqdm(iterable, desc=desc, total=total, unit=unit, file=stream(), leave=None,
+                            dynamic_ncols=True)
         elif _state.depth == 1:
             yield from _logged(iterable, desc, total, unit)
         else:
