@@ -44,6 +44,7 @@ def test_missing_data_directory_is_reported(capsys, tmp_path):
     assert "nowhere" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @needs_stories
 def test_prune_writes_a_record_and_a_reloadable_model(capsys, tmp_path):
     out, saved = tmp_path / "results" / "r.jsonl", tmp_path / "pruned"
