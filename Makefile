@@ -1,6 +1,7 @@
 # The README's two commands, on a fresh machine with only Python and the shared fixtures beside the checkout:
 #   make run    set up .venv (CPU torch, the package, its plugin packages) and run the main job (smoke matrix)
-#   make test   set up the same way and run the tests (what CI runs, through .ci/run)
+#   make test   set up the same way and run all the tests, slow ones included (what CI runs, through .ci/run;
+#               a plain `pytest` skips the tests marked slow)
 # The setup is done once and redone only when a pyproject.toml changes, so a second call starts at once.
 
 PYTHON ?= python3
@@ -18,7 +19,7 @@ run: setup
 	$(BIN)/rcpu-bench run --matrix smoke
 
 test: setup
-	$(BIN)/python -m pytest tests plugins $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests plugins -m "slow or not slow" $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for tokens in args.tokens:
-            baseline = 0.0 if torch.device(args.device).type == "cuda" else spawn(replace(base, tokens=tokens))["peak_mib"]
+            on_cuda = torch.device(args.device).type == "cuda"
+            baseline = 0.0 if on_cuda else spawn(replace(base, tokens=tokens))["peak_mib"]
             rows += [row for compensator in args.compensator
                      for row in compare(tokens, compensator, args, base, baseline, Path(workdir))]
     print(tabulate([r for r in rows if "agreement" not in r["part"]], headers="keys", floatfmt=".3g"))
@@ -416,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio": RATIO, "lambda": LAMBDA, "seqlen": SEQLEN, "batch_windows": BATCH_WINDOWS,
                     "torch": torch.__version__}
         args.out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2, default=str))
-    failed = [r for r in rows if "agreement" in r["part"] and not (r["same_selection"] and r["max_rel_diff"] <= TOLERANCE)]
+    failed = [r for r in rows
+              if "agreement" in r["part"] and not (r["same_selection"] and r["max_rel_diff"] <= TOLERANCE)]
     for row in failed:
         print(f"MISMATCH N={row['tokens']} {row['compensator']} {row['part']} {row['variant']}: same selection "
               f"{row['same_selection']}, max relative difference {row['max_rel_diff']:.2e} (tolerance {TOLERANCE:g})")

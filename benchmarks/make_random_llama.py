@@ -62,7 +62,8 @@ def layer_tensors(config: LlamaConfig, index: int, generator: torch.Generator) -
     prefix = f"model.layers.{index}."
     tensors = {f"{prefix}{name}.weight": torch.randn(shape, generator=generator) * INIT_STD
                for name, shape in shapes.items()}
-    tensors |= {f"{prefix}{norm}.weight": torch.ones(hidden) for norm in ("input_layernorm", "post_attention_layernorm")}
+    norms = ("input_layernorm", "post_attention_layernorm")
+    tensors |= {f"{prefix}{norm}.weight": torch.ones(hidden) for norm in norms}
     return tensors
 
 

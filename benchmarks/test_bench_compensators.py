@@ -19,10 +19,18 @@ from typing import Any
 import pytest
 import torch
 from pytest_benchmark.fixture import BenchmarkFixture
-
 from synthetic_modules import ModuleShape, make_weight, module_shapes, select_columns, synthetic_batches
-from rcpu_bench.compensation.compensators import (LAMBDA_GRID, Compensation, flap_bias, none, procrustes, ridge, ridge_grid,
-                                     scaled_procrustes)
+
+from rcpu_bench.compensation.compensators import (
+    LAMBDA_GRID,
+    Compensation,
+    flap_bias,
+    none,
+    procrustes,
+    ridge,
+    ridge_grid,
+    scaled_procrustes,
+)
 from rcpu_bench.selection.select import Selection
 from rcpu_bench.statistics.activations import CHUNK_TOKENS, GRAM_PRECISIONS, ActivationStats
 

@@ -1,4 +1,5 @@
-"""Rotation solve time at LLaMA-7B shapes: today's SVD against ``rcpu_bench.compensation.rotation.polar`` (pytest-benchmark).
+"""Rotation solve time at LLaMA-7B shapes: today's SVD against ``rcpu_bench.compensation.rotation.polar``
+(pytest-benchmark).
 
 M is 4096 × 4096 (scaled by RCPU_BENCH_SCALE): ``o_proj`` is rank-deficient like a pruned o_proj,
 M = A W_Kᵀ with W_K of 3328 = 26 of 32 heads' columns, and ``full`` has full rank. Variants: the SVD

@@ -1,4 +1,9 @@
-"""The ``rcpu-bench`` command line."""
+"""The ``rcpu-bench`` command line.
+
+Every parser refuses abbreviated options (``--eval 4`` is an error, not ``--eval-batch-size 4``);
+``--version`` prints the package version; progress and log lines follow ``rcpu_bench.console`` (``--quiet``,
+timestamped lines when the output is not a terminal); Ctrl-C ends any command with one line and exit 130.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +13,20 @@ from typing import Any
 
 from tabulate import tabulate
 
-from rcpu_bench.evaluation import generation
-from rcpu_bench.tables import plots
+from rcpu_bench import __version__, console
+from rcpu_bench.evaluation import generation, speed, zeroshot
 from rcpu_bench.matrix import runner
-from rcpu_bench.evaluation import speed
-from rcpu_bench.tables import tables
-from rcpu_bench.evaluation import zeroshot
 from rcpu_bench.matrix.experiment import (
     DEFAULT_CALIB,
     Experiment,
     default_model,
     run_experiment,
 )
+from rcpu_bench.matrix.records import append_record
 from rcpu_bench.model.loading import add_model_options
 from rcpu_bench.pruning import options
-from rcpu_bench.matrix.records import append_record
 from rcpu_bench.registry import default_registry
+from rcpu_bench.tables import plots, tables
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -90,10 +93,20 @@ def _add_prune_parser(commands) -> None:
     p.set_defaults(func=cmd_prune)
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that refuses abbreviated options; its subcommand parsers are Parsers too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rcpu-bench", description=__doc__)
+    parser = Parser(prog="rcpu-bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("plugins", help="list registered scorers, compensators and model methods").set_defaults(func=cmd_plugins)
+    plugins_parser = commands.add_parser("plugins", help="list registered scorers, compensators and model methods")
+    plugins_parser.set_defaults(func=cmd_plugins)
     _add_prune_parser(commands)
     for module in (runner, tables, plots, zeroshot, generation, speed):
         module.add_parser(commands)
@@ -101,10 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "ppl", "unset") is None:
-        args.ppl = ["rcpu128"]
-    return args.func(args)
+    """Parse ``argv`` and run the command: its exit code, 2 on bad input, 130 on Ctrl-C (one line, no traceback)."""
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "ppl", "unset") is None:
+            args.ppl = ["rcpu128"]
+        console.configure(quiet=getattr(args, "quiet", False))
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        # Records are appended whole (append_record) and only after a run ends, so nothing torn is left.
+        console.interrupted()
+        return 130
 
 
 if __name__ == "__main__":

@@ -237,7 +237,10 @@ def parse_calib(text: str) -> CalibSpec:
     match = _SPEC.fullmatch(text.strip())
     if match is None:
         raise ValueError(f"empty calibration spec {text!r}; expected {SPEC_FORM}")
-    number = lambda name, default: int(match[name]) if match[name] is not None else default  # noqa: E731
+
+    def number(name: str, default: int) -> int:
+        return int(match[name]) if match[name] is not None else default
+
     try:
         return CalibSpec(match["source"], number("n", DEFAULT_N_SAMPLES), number("seqlen", DEFAULT_SEQLEN),
                          number("seed", DEFAULT_SEED))

@@ -9,8 +9,8 @@ from tiny_models import STORIES_MHA, needs_stories
 
 from rcpu_bench.cli import main
 from rcpu_bench.evaluation.perplexity import perplexity
-from rcpu_bench.model.persistence import load_pruned
 from rcpu_bench.matrix.records import read_records
+from rcpu_bench.model.persistence import load_pruned
 
 QUICK = ["--model", str(STORIES_MHA), "--calib", "tinystories:8x64", "--ppl", "tinystories[900:930]", "--quiet"]
 
@@ -44,6 +44,7 @@ def test_missing_data_directory_is_reported(capsys, tmp_path):
     assert "nowhere" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @needs_stories
 def test_prune_writes_a_record_and_a_reloadable_model(capsys, tmp_path):
     out, saved = tmp_path / "results" / "r.jsonl", tmp_path / "pruned"

@@ -54,6 +54,7 @@ def run_generate(argv: list[str]) -> int:
     return main(["generate", *argv])
 
 
+@pytest.mark.slow
 @needs_stories
 def test_generate_command_prints_pruned_and_dense_side_by_side(tmp_path, capsys):
     loaded = load_model(str(STORIES_MHA))

@@ -109,6 +109,7 @@ def test_remote_code_model_generates_and_survives_save_pretrained(tmp_path):
     assert torch.equal(logits(again, generated), logits(model, generated))
 
 
+@pytest.mark.slow
 @needs_stories
 def test_loads_in_a_process_without_rcpu_bench(tmp_path):
     model, tokenizer = pruned_stories(STORIES_MHA, CASES["mha-al-am-flap-bias"][1])
@@ -127,6 +128,7 @@ def test_loads_in_a_process_without_rcpu_bench(tmp_path):
     assert torch.equal(torch.load(tmp_path / "out.pt"), logits(model, ids))
 
 
+@pytest.mark.slow
 @needs_stories
 def test_stock_lm_eval_hf_model_matches_the_in_memory_model(tmp_path):
     import lm_eval

@@ -58,7 +58,7 @@ def test_flags_give_the_config_they_spell():
         "prune", "--scorer", "wanda-sp", "--compensator", "ridge", "--compensator-param", "lam=1e-2",
         "--compensator-param", "dtype=float32", "--ratio", "0.3", "--rounding", "ceil", "--prune", "mlp",
         "--compensate", "none", "--gqa-rule", "query", "--head-aggregation", "standardized-mean",
-        "--statistics", "one-shot", "--structure", "al-am", "--recollect-mlp", "--offload", "--batch-size", "4",
+        "--statistics", "one-shot", "--structure", "al-am", "--recollect-mlp", "--offload", "--calib-batch-size", "4",
         "--gram-precision", "float64", "--model-method", "slicegpt", "--model-method-param", "budget='params'"])
     assert options.from_args(args) == PruneConfig(
         scorer="wanda-sp", compensator="ridge", ratio=0.3, compensator_params={"lam": 1e-2, "dtype": "float32"},

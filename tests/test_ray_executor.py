@@ -28,6 +28,7 @@ def local_cluster():
     shutil.rmtree(session, ignore_errors=True)
 
 
+@pytest.mark.slow
 @needs_stories
 def test_cells_run_as_ray_tasks_and_the_driver_stores_both_entries(tmp_path, local_cluster):
     summary = run_matrix(tiny_matrix(["wanda-sp", "rcpu-rot"]), tmp_path, executor="ray", progress=False)

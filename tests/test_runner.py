@@ -44,6 +44,7 @@ def cli(*args: str) -> int:
     return parsed.func(parsed)
 
 
+@pytest.mark.slow
 @needs_stories
 def test_a_run_stores_a_complete_entry_per_cell_and_a_rerun_skips_them(tmp_path):
     matrix = tiny_matrix(["wanda-sp", "rcpu-rot"], include_dense=True)
@@ -106,6 +107,7 @@ class FaultyPlugin:
         register("nan-weights", nan_weights)
 
 
+@pytest.mark.slow
 @needs_stories
 def test_failing_cells_are_recorded_with_their_traceback_the_run_goes_on_and_a_rerun_retries_them(tmp_path):
     registry = build_registry(plugin_manager([("faulty", FaultyPlugin())]))
@@ -145,6 +147,7 @@ def fake_zeroshot(monkeypatch):
     return module
 
 
+@pytest.mark.slow
 @needs_stories
 def test_zeroshot_cells_evaluate_the_pruned_model_into_the_record(tmp_path, fake_zeroshot):
     run_matrix(tiny_matrix(["rcpu-rot"], eval=["ppl", "zeroshot"], zeroshot_limit=7), tmp_path, progress=False)
@@ -197,6 +200,7 @@ def kill_at(process: subprocess.Popen, store: Store, n_entries: int) -> None:
     process.wait(TIMEOUT_S)
 
 
+@pytest.mark.slow
 @needs_stories
 def test_killed_runs_lose_no_finished_cell_and_a_rerun_completes_the_matrix(tmp_path):
     matrix_file = write_matrix(tmp_path / "kill.yaml", tiny_raw(["wanda-sp", "rcpu-rot", "rcpu-rot-scale"],
@@ -250,6 +254,7 @@ def test_the_ray_executor_says_how_to_install_ray_when_it_is_missing(monkeypatch
         make_executor("ray")
 
 
+@pytest.mark.slow
 @needs_stories
 def test_run_prints_the_plan_then_plain_cell_lines_then_the_table_and_plots(capsys, tmp_path):
     """Not a terminal (capsys): no bar, one line per cell; the plan first, the ppl table and plots at the end."""

@@ -69,6 +69,7 @@ def test_bad_settings_are_named(kwargs, message):
     assert message in str(raised.value)
 
 
+@pytest.mark.slow
 @needs_stories
 def test_every_experiment_records_its_speed_and_a_text_sample(tmp_path):
     """The pruned model's sample, read back from the saved directory, is the record's."""

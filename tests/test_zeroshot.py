@@ -154,6 +154,7 @@ def test_mosaic_piqa_strips_whitespace_so_the_original_files_are_used():
 # ----------------------------------------------------------------------------------- evaluation
 
 
+@pytest.mark.slow
 @needs_stories
 @needs_zeroshot_data
 def test_every_task_runs_offline_and_reports_its_statistics(stories, caplog):
@@ -179,6 +180,7 @@ def test_every_task_runs_offline_and_reports_its_statistics(stories, caplog):
     json.dumps(result)  # a record field
 
 
+@pytest.mark.slow
 @needs_stories
 @needs_zeroshot_data
 def test_two_models_in_one_process_get_their_own_answers(stories):
@@ -304,6 +306,7 @@ def accuracy(scores: list[list[float]], docs: list[dict]) -> float:
     return sum(max(range(len(s)), key=s.__getitem__) == doc["gold"] for s, doc in zip(scores, docs)) / len(docs)
 
 
+@pytest.mark.slow
 @needs_stories
 def test_a_group_of_local_tasks_from_an_include_path(stories, task_dir):
     """Any task: our own YAMLs through include_path, the group's acc the size-weighted mean of its tasks'."""
@@ -323,6 +326,7 @@ def test_a_group_of_local_tasks_from_an_include_path(stories, task_dir):
     json.dumps(result)
 
 
+@pytest.mark.slow
 @needs_stories
 def test_num_fewshot_and_nothing_written_without_an_output_path(stories, task_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -360,6 +364,7 @@ def run_eval(argv: list[str]) -> int:
     return main(["eval", *argv])
 
 
+@pytest.mark.slow
 @needs_stories
 @needs_zeroshot_data
 def test_eval_command_on_a_save_pruned_directory(tmp_path, capsys):
@@ -371,7 +376,7 @@ def test_eval_command_on_a_save_pruned_directory(tmp_path, capsys):
                 provenance=loaded.provenance)
     out = tmp_path / "runs.jsonl"
     code = run_eval(["--model", str(tmp_path / "pruned"), "--tasks", "piqa,winogrande", "--limit", "5",
-                     "--batch-size", "4", "--out", str(out)])
+                     "--eval-batch-size", "4", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0 and "piqa" in printed and "winogrande" in printed and "source: local" in printed
     (record,) = read_records(out)
@@ -380,6 +385,7 @@ def test_eval_command_on_a_save_pruned_directory(tmp_path, capsys):
     assert set(record["zeroshot"]["tasks"]) == {"piqa", "winogrande"} and record["zeroshot"]["limit"] == 5
 
 
+@pytest.mark.slow
 @needs_stories
 @needs_zeroshot_data
 def test_eval_command_on_a_paper_task_and_our_own_with_lm_eval_outputs(tmp_path, task_dir, capsys):
@@ -418,7 +424,7 @@ def test_eval_command_on_a_paper_task_and_our_own_with_lm_eval_outputs(tmp_path,
     (["--log-samples"], "--log-samples needs --output-path"),
     (["--num-fewshot", "-2"], "num_fewshot must be an integer >= 0, got -2"),
     (["--limit", "0"], "limit (examples per task) must be a positive integer"),
-    (["--batch-size", "-1"], "batch size must be a positive integer"),
+    (["--eval-batch-size", "-1"], "batch size must be a positive integer"),
     (["--data-dir", "/no/such/data"], "zero-shot data file(s) not found"),
     (["--source", "hub"], "HF_HUB_OFFLINE is set"),
     (["--dtype", "int8"], "int8"),

@@ -90,11 +90,16 @@ class Problem:
             err = err - 2 * b @ (self.w @ s - w_new @ s[self.kept]) + self.stats.n * b @ b
         return float(err.clamp_min(0))
 
-    def result(self, new_weight: Tensor, bias: Tensor | None = None, **info: float | str) -> Compensation:
-        """Cast back to the module's dtype/device, reject non-finite values, record the objective before/after."""
+    def result(self, new_weight: Tensor, bias: Tensor | None = None, /, **info: float | str) -> Compensation:
+        """Cast back to the module's dtype/device, reject non-finite values, record the objective before/after.
+
+        ``new_weight`` and ``bias`` are positional, so that any name can be a key of ``info``."""
         if not torch.isfinite(new_weight).all() or (bias is not None and not torch.isfinite(bias).all()):
             raise FloatingPointError("compensation produced NaN or infinite weights")
-        cast = lambda t: t.to(device=self.weight.device, dtype=self.weight.dtype)  # noqa: E731
+
+        def cast(t: Tensor) -> Tensor:
+            return t.to(device=self.weight.device, dtype=self.weight.dtype)
+
         out = Compensation(cast(new_weight), cast(bias) if bias is not None else None, dict(info))
         if self.stats.gram is not None:
             out.info["objective_before"] = self.error(self.wk)
@@ -171,7 +176,8 @@ def rotation(problem: Problem, dtype: torch.dtype, solver: str) -> Rotation:
     """Orthogonal Procrustes Q* = argmax_{QᵀQ=I} tr(QᵀM), M = Y Zᵀ = W G[:,K] W_Kᵀ (paper eq. procrustes_sol).
 
     M is formed in the compute dtype from W G[:,K] and W_K cast to it (as the official code forms Y Aᵀ in
-    float32); ``rcpu_bench.compensation.rotation.polar`` documents the solvers and the choice of Q when M is rank-deficient.
+    float32); ``rcpu_bench.compensation.rotation.polar`` documents the solvers and the choice of Q when M is
+    rank-deficient.
     Q may be a reflection (det −1), as in the paper. Only ``solver='official'`` takes ``dtype='float32'``
     alone: it reproduces the official float32 numerics.
     """

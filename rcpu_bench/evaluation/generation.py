@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from rcpu_bench.model.loading import add_model_options, resolve_device, resolve_dtype
+from rcpu_bench import console
 from rcpu_bench.evaluation.zeroshot import check_model_argument, load_saved_or_model
+from rcpu_bench.model.loading import add_model_options, resolve_device, resolve_dtype
 
 SAMPLE_PROMPT = "Once upon a time"
 SAMPLE_TOKENS = 24
@@ -59,6 +60,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                    help=f"prompt to continue (repeatable; default {SAMPLE_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=32)
     add_model_options(p)
+    console.add_quiet_option(p)
     p.set_defaults(func=cmd_generate)
     return p
 

@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
-from rcpu_bench import data
+from rcpu_bench import console, data
 
 IGNORE_INDEX = -100
 
@@ -131,7 +130,7 @@ def sequence_nll(model: nn.Module, sequences: list[Tensor], *, batch_size: int =
     model.eval()
     try:
         with torch.no_grad():
-            for start in tqdm(range(0, len(sequences), batch_size), desc=desc, unit="batch", disable=None):
+            for start in console.progress(range(0, len(sequences), batch_size), desc=desc, unit="batch"):
                 input_ids, mask = _pad(sequences[start : start + batch_size])
                 labels = _shifted_labels(input_ids, mask).to(device)
                 logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), use_cache=False).logits

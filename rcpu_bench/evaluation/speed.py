@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rcpu_bench import console
 from rcpu_bench.model.loading import add_model_options
 
 BATCH_SIZE = 1
@@ -96,11 +97,12 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", metavar="DIR_OR_ID",
                    help="saved pruned directory, model directory or hub id (repeatable; default: the "
                    "stories260K-mha fixture in the shared directory)")
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    p.add_argument("--eval-batch-size", type=int, default=BATCH_SIZE, help="sequences per timed forward pass")
     p.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--repeats", type=int, default=REPEATS)
     add_model_options(p)
+    console.add_quiet_option(p)
     p.set_defaults(func=cmd_speed)
     return p
 
@@ -109,11 +111,11 @@ def cmd_speed(args: argparse.Namespace) -> int:
     """``rcpu-bench speed``: check the models, then one line per model: parameters, prefill and decode tokens/s."""
     from tabulate import tabulate
 
+    from rcpu_bench.evaluation.zeroshot import check_model_argument, load_saved_or_model
     from rcpu_bench.matrix.experiment import (
         default_model,  # experiment imports this module for record["inference"]
     )
     from rcpu_bench.model.loading import parameter_count, resolve_device, resolve_dtype
-    from rcpu_bench.evaluation.zeroshot import check_model_argument, load_saved_or_model
 
     names = args.model or [default_model()]
     try:
@@ -128,7 +130,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
     for name in names:
         model = load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device).model
         try:
-            speed = inference_speed(model, batch_size=args.batch_size, prompt_tokens=args.prompt_tokens,
+            speed = inference_speed(model, batch_size=args.eval_batch_size, prompt_tokens=args.prompt_tokens,
                                     new_tokens=args.new_tokens, repeats=args.repeats)
         except ValueError as error:
             print(f"rcpu-bench: error: {error}", file=sys.stderr)
@@ -136,6 +138,6 @@ def cmd_speed(args: argparse.Namespace) -> int:
         rows.append((name, f"{parameter_count(model):,}", f"{speed['prefill_tokens_per_s']:,.0f}",
                      f"{speed['decode_tokens_per_s']:,.0f}"))
     print(tabulate(rows, headers=["model", "parameters", "prefill tokens/s", "decode tokens/s"]))
-    print(f"batch {args.batch_size}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, median of "
+    print(f"batch {args.eval_batch_size}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, median of "
           f"{args.repeats} after a warm-up, on {args.device}")
     return 0

@@ -56,7 +56,9 @@ from urllib.parse import urlparse
 from huggingface_hub import constants
 from tabulate import tabulate
 
+from rcpu_bench import console
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS, table_metric
+from rcpu_bench.matrix.records import append_record, library_versions
 from rcpu_bench.model.loading import (
     LoadedModel,
     add_model_options,
@@ -67,9 +69,8 @@ from rcpu_bench.model.loading import (
     resolve_device,
     resolve_dtype,
 )
-from rcpu_bench.paths import data_dir as default_data_dir
 from rcpu_bench.model.persistence import MANIFEST, load_saved, read_manifest
-from rcpu_bench.matrix.records import append_record, library_versions
+from rcpu_bench.paths import data_dir as default_data_dir
 
 logger = logging.getLogger(__name__)
 
@@ -368,6 +369,9 @@ def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan, *, log_samples:
         raise ValueError("log_samples needs an output_path to write the samples to")
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=plan.batch_size,
               max_length=model.config.max_position_embeddings)
+    if not console.showing_bars():  # lm-eval's request bars follow --quiet and the terminal as ours do
+        for request_type in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+            setattr(lm, request_type, functools.partial(getattr(lm, request_type), disable_tqdm=True))
     tracker = EvaluationTracker(output_path=str(output_path)) if output_path is not None else None
     notes = fewshot_notes(plan)
     started = time.perf_counter()
@@ -482,7 +486,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                    help="write lm-eval's results JSON here (a directory, or a .json file), as lm-eval does")
     p.add_argument("--log-samples", action="store_true",
                    help="also write every document, prompt and response under --output-path (lm-eval's samples)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--eval-batch-size", type=int, default=16, help="sequences per lm-eval forward pass")
     p.add_argument("--source", choices=SOURCES, default="auto",
                    help="data of the seven paper tasks: local files, the hub's datasets, or the hub when "
                    "reachable else local")
@@ -490,6 +494,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                    help="metric per task in the table and the mean")
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--out", metavar="JSONL", help="append the result record to this file")
+    console.add_quiet_option(p)
     p.set_defaults(func=cmd_eval)
     return p
 
@@ -527,7 +532,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_model_argument(args.model, args.revision)
         if args.log_samples and not args.output_path:
             raise ValueError("--log-samples needs --output-path (where lm-eval writes the samples)")
-        plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.batch_size,
+        plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.eval_batch_size,
                              source=args.source, metric_map=args.metric_map, num_fewshot=args.num_fewshot,
                              include_path=args.include_path)
     except (ValueError, OSError) as error:

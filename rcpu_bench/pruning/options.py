@@ -45,10 +45,13 @@ class Option:
     choices: tuple[str, ...] = ()
     hashed: Literal["always", "when-set"] = "always"
     recipe: bool = False
+    cli: str | None = None  # the command-line flag when the field's name would be ambiguous (batch_size)
 
     @property
     def flag(self) -> str:
         """The command-line flag: ``--scorer-param`` for ``scorer_params``, else the name with dashes."""
+        if self.cli is not None:
+            return self.cli
         return "--" + (self.name.removesuffix("s") if self.kind == "params" else self.name).replace("_", "-")
 
     @property
@@ -87,9 +90,9 @@ def _valid(option: Option, value: Any) -> bool:
 
 
 def option(kind: Kind, default: Any, help: str, *, hashed: Literal["always", "when-set"] = "always",
-           recipe: bool = False) -> Any:
+           recipe: bool = False, cli: str | None = None) -> Any:
     """A PruneConfig field declared as an option; its name, type and (for a ``Literal``) choices come from the field."""
-    metadata = {"option": {"kind": kind, "help": help, "hashed": hashed, "recipe": recipe}}
+    metadata = {"option": {"kind": kind, "help": help, "hashed": hashed, "recipe": recipe, "cli": cli}}
     if kind == "params":
         return field(default_factory=dict, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -124,8 +127,12 @@ class PruneConfig:
         "choice", "uniform", "uniform ratio per layer, or FLAP's global adaptive structure", recipe=True)
     recollect_mlp: bool = option("flag", False, "re-collect down_proj statistics after attention is pruned (not "
                                  "RCPU's default)", recipe=True)
-    offload: bool = option("flag", False, "keep only the current layer on the device")
-    batch_size: int = option("count", 8, "calibration sequences per forward pass (does not change the result)")
+    offload: bool = option("flag", False, "while pruning, keep the model in CPU memory and move each decoder layer "
+                           "(and the embeddings, for the layer-0 inputs) to the device only while it is pruned; "
+                           "this lowers the device memory of pruning only: the pruned model is then moved to the "
+                           "device whole for evaluation, so it must fit there")
+    batch_size: int = option("count", 8, "calibration sequences per forward pass (does not change the result)",
+                             cli="--calib-batch-size")
     gram_precision: GramPrecision = option(
         "choice", "mixed", "G = Σ x xᵀ from float32 block products summed into float64 (mixed: about 3-4x faster "
         "on CPU, relative error ~1e-7), or every product in float64", hashed="when-set")
@@ -231,8 +238,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs.update(action="append", default=[], type=parse_param, metavar="KEY=VALUE")
         else:
             default = ",".join(option.default) if option.kind == "modules" else option.default  # parsed by argparse
-            kwargs.update(default=default, metavar=_metavar(option),
-                          type={"ratio": float, "count": int, "windows": int, "modules": parse_modules}.get(option.kind, str))
+            kinds = {"ratio": float, "count": int, "windows": int, "modules": parse_modules}
+            kwargs.update(default=default, metavar=_metavar(option), type=kinds.get(option.kind, str))
             if option.kind == "choice":
                 kwargs.update(choices=option.choices, metavar=None)
         parser.add_argument(option.flag, **kwargs)

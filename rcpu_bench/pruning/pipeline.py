@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
+from rcpu_bench import console
 from rcpu_bench.compensation.diagnostics import module_generalisation
 from rcpu_bench.model.adapter import decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
@@ -173,7 +173,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         inputs = _capture(model, calib_ids, config, device)
     held = _held_out(model, holdout_ids, config, device)
     reports = []
-    for index, layer in enumerate(tqdm(layers, desc="pruning layers", disable=not progress)):
+    for index, layer in enumerate(console.progress(layers, desc="pruning layers", unit="layer", enabled=progress)):
         timer = Timer(device)
         with _on_device(layer, device, config.offload):
             selection = selections[index] if selections else None

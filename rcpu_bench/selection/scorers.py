@@ -37,7 +37,9 @@ def magnitude(weight: Tensor, stats: ActivationStats) -> Tensor:
 
 
 def wanda_sp(weight: Tensor, stats: ActivationStats, *, variant: WandaVariant = "flap") -> Tensor:
-    """WANDA-sp s_j = ‖W[:,j]‖ · ‖X[j,:]‖; variant flap: ‖W_j‖₁·‖X_j‖₂, rcpu-code: ‖W_j‖₁·mean|x_j|, paper: ‖W_j‖₂·‖X_j‖₂.
+    """WANDA-sp s_j = ‖W[:,j]‖ · ‖X[j,:]‖.
+
+    Variant flap: ‖W_j‖₁·‖X_j‖₂, rcpu-code: ‖W_j‖₁·mean|x_j|, paper: ‖W_j‖₂·‖X_j‖₂.
 
     FLAP's mean_i |W_ij|·‖X_j‖₂ differs from ``flap`` by the constant 1/d_out, so rankings are equal.
     """

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 import torch
@@ -22,7 +22,10 @@ class Selection:
 
     def columns(self, unit_size: int) -> Selection:
         """Expand unit indices to the column indices they cover (unit u → columns [u·size, (u+1)·size))."""
-        expand = lambda idx: (idx[:, None] * unit_size + torch.arange(unit_size, device=idx.device)).reshape(-1)  # noqa: E731
+
+        def expand(idx: Tensor) -> Tensor:
+            return (idx[:, None] * unit_size + torch.arange(unit_size, device=idx.device)).reshape(-1)
+
         return Selection(expand(self.kept), expand(self.pruned))
 
 
@@ -67,6 +70,5 @@ def select_within_groups(scores: Tensor, group_size: int, ratio: float, rounding
     if scores.numel() % group_size:
         raise ValueError(f"group_size={group_size} does not divide the {scores.numel()} units")
     picks = [select_by_score(group, ratio, rounding) for group in scores.reshape(-1, group_size)]
-    offset = lambda g, idx: idx + g * group_size  # noqa: E731
-    return Selection(torch.cat([offset(g, p.kept) for g, p in enumerate(picks)]),
-                     torch.cat([offset(g, p.pruned) for g, p in enumerate(picks)]))
+    return Selection(torch.cat([p.kept + g * group_size for g, p in enumerate(picks)]),
+                     torch.cat([p.pruned + g * group_size for g, p in enumerate(picks)]))

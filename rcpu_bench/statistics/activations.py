@@ -22,7 +22,7 @@ stored, so memory does not grow with the calibration set.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -82,7 +82,10 @@ class ActivationStats:
     def empty(cls, d_in: int, *, with_gram: bool = True, device: torch.device | str | None = None,
               gram_precision: GramPrecision = "mixed") -> ActivationStats:
         check_gram_precision(gram_precision)
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
+
+        def zeros(*shape: int) -> Tensor:
+            return torch.zeros(*shape, dtype=torch.float64, device=device)
+
         return cls(0, zeros(d_in), zeros(d_in), zeros(d_in), zeros(d_in, d_in) if with_gram else None,
                    gram_precision)
 
@@ -180,8 +183,8 @@ class ActivationStats:
 
 
 @contextmanager
-def collect_input_stats(modules: dict[str, nn.Module], *, with_gram: Iterable[str] | bool = True,
-                        gram_precision: GramPrecision = "mixed"):
+def collect_input_stats(modules: Mapping[str, nn.Linear], *, with_gram: Iterable[str] | bool = True,
+                        gram_precision: GramPrecision = "mixed") -> Iterator[dict[str, ActivationStats]]:
     """Stream input statistics of each named module while the block runs.
 
     Yields a dict name -> ActivationStats, filled by forward pre-hooks; ``with_gram`` says for which

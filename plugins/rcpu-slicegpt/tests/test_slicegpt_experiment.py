@@ -12,6 +12,7 @@ from rcpu_bench.pruning.pipeline import PruneConfig
 from rcpu_bench.paths import shared_dir
 
 
+@pytest.mark.slow
 def test_experiment_slices_saves_and_reloads(tmp_path):
     config = PruneConfig(ratio=0.25, model_method="slicegpt")
     saved = tmp_path / "sliced"
