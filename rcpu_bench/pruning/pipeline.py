@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -260,8 +262,13 @@ def _peak_memory(device: torch.device) -> int:
 
 @torch.no_grad()
 def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, registry: Registry | None = None,
-                device: torch.device | str | None = None, progress: bool = True) -> PruneReport:
-    """Prune and compensate every decoder layer of ``model`` in place from calibration token windows."""
+                device: torch.device | str | None = None, progress: bool = True,
+                reuse_capture: Callable[[Callable[[], list[LayerInput]]], list[LayerInput]] | None = None) -> PruneReport:
+    """Prune and compensate every decoder layer of ``model`` in place from calibration token windows.
+
+    ``reuse_capture(capture)``, when given, returns layer 0's inputs: ``capture()``, or an equal result
+    remembered from an earlier call with the same model and calibration (rcpu_bench.matrix.reuse).
+    """
     registry = registry or default_registry()
     config.validate(registry)
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -273,7 +280,8 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     selections = global_selections(model, calib_ids, config, registry, device) if config.structure == "al-am" else None
     totals = Timer(device)
     with totals("capture"):
-        inputs = _capture(model, calib_ids, config, device)
+        capture = partial(_capture, model, calib_ids, config, device)
+        inputs = reuse_capture(capture) if reuse_capture else capture()
     reports = []
     for index, layer in enumerate(tqdm(layers, desc="pruning layers", disable=not progress)):
         timer = Timer(device)
