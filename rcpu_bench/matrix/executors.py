@@ -67,14 +67,14 @@ class ModelCache:
     """The dense model last asked for, read once onto the CPU; every ``load`` hands out a private copy.
 
     Only one model is kept: cells arrive model by model, and a second 13B model would not fit beside the first.
-    With ``keep_dense=False`` no CPU copy is kept: each ``load`` reads the model straight onto its device
+    After ``set_keep_dense(False)`` no CPU copy is kept: each ``load`` reads the model straight onto its device
     (the Ray executor's choice when the copy does not fit in a node's memory beside the cell's own).
     """
 
-    def __init__(self, keep_dense: bool = True) -> None:
+    def __init__(self) -> None:
         self._key: tuple[str, str | None, str] | None = None
         self._dense: LoadedModel | None = None
-        self.keep_dense = keep_dense
+        self.keep_dense = True
 
     def set_keep_dense(self, keep_dense: bool) -> None:
         """Keep the dense copy from now on, or drop it now and read every model afresh."""
@@ -154,8 +154,8 @@ class LocalExecutor:
 
 # ------------------------------------------------------------------------------------------------ Ray
 
-# Per Ray worker process: tasks of one model reuse its dense copy (when it fits, see RayExecutor) and, on the
-# CPU, its captured layer-0 inputs.
+# Per Ray worker process: tasks of one model reuse its dense copy (when it fits: ray_resources.task_request)
+# and, on the CPU, its captured layer-0 inputs.
 _WORKER_MODELS = ModelCache()
 _WORKER_INPUTS = LayerInputCache()
 
