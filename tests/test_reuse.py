@@ -104,7 +104,7 @@ def test_a_matrix_run_with_reuse_records_the_same_numbers_and_captures_once(monk
 def test_the_dense_model_is_one_cell_per_model_whatever_the_sizes_methods_and_ablation():
     raw_calib = {"source": "tinystories", "n_calib": [4, 8], "seqlen": 64}
     matrix = tiny_matrix(["wanda-sp", "rcpu-rot"], ratios=[0.1, 0.2], calib=raw_calib, include_dense=True,
-                         compensate=["all", "attention"])
+                         ablation={"compensate": ["both", "o_proj"]})
     cells = expand(matrix, default_registry())
     dense = [cell for cell in cells if cell.ratio == 0.0]
     assert len(dense) == 1 and len(cells) == 1 + 2 * 2 * 2 * 2
