@@ -3,7 +3,8 @@
 Either way a cell becomes a store entry where it ran (``run_cell``): its record, or its error with the
 traceback when anything in it raises (a plugin, a NaN, out of memory); the entries come back to the
 driver, which alone writes the store. The dense model is loaded once per model and process and every
-cell prunes a private copy of it (``ModelCache``); tokenized data is cached by ``rcpu_bench.data``.
+cell prunes a private copy of it (``ModelCache``); cells of one model and calibration share layer 0's
+captured inputs (``rcpu_bench.matrix.reuse``); tokenized data is cached by ``rcpu_bench.data``.
 """
 
 from __future__ import annotations
@@ -17,16 +18,25 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from rcpu_bench.matrix.experiment import run_experiment
+from rcpu_bench.matrix.ray_resources import (
+    ClusterShape,
+    assigned_device,
+    shipped_packages,
+    task_request,
+    worker_env_vars,
+)
+from rcpu_bench.matrix.reuse import LayerInputCache, capture_key
 from rcpu_bench.matrix.spec import Cell
+from rcpu_bench.matrix.store import error_info, make_entry
 from rcpu_bench.model.loading import LoadedModel, load_model
 from rcpu_bench.registry import Registry
-from rcpu_bench.matrix.store import error_info, make_entry
 
 EXECUTORS = ("local", "ray")
 RAY_OBJECT_STORE_BYTES = 256 * 2**20  # entries are small; Ray would reserve ~30 % of RAM by default
@@ -57,15 +67,26 @@ class ModelCache:
     """The dense model last asked for, read once onto the CPU; every ``load`` hands out a private copy.
 
     Only one model is kept: cells arrive model by model, and a second 13B model would not fit beside the first.
+    After ``set_keep_dense(False)`` no CPU copy is kept: each ``load`` reads the model straight onto its device
+    (the Ray executor's choice when the copy does not fit in a node's memory beside the cell's own).
     """
 
     def __init__(self) -> None:
         self._key: tuple[str, str | None, str] | None = None
         self._dense: LoadedModel | None = None
+        self.keep_dense = True
+
+    def set_keep_dense(self, keep_dense: bool) -> None:
+        """Keep the dense copy from now on, or drop it now and read every model afresh."""
+        self.keep_dense = keep_dense
+        if not keep_dense:
+            self._key, self._dense = None, None
 
     def load(self, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
              revision: str | None = None) -> LoadedModel:
         """A copy of the dense model on ``device``: load_model's signature, for ``run_experiment(load=...)``."""
+        if not self.keep_dense:
+            return load_model(name_or_path, dtype=dtype, device=device, revision=revision)
         key = (name_or_path, revision, dtype)
         if key != self._key:
             self._key, self._dense = None, None  # free the previous model before reading the next
@@ -97,12 +118,19 @@ def evaluations(cell: Cell) -> Callable[[Any, Any], dict[str, Any]] | None:
     return lambda model, tokenizer: {"zeroshot": evaluate_zeroshot(model, tokenizer, limit=cell.zeroshot_limit)}
 
 
-def run_cell(cell: Cell, registry: Registry, models: ModelCache) -> dict[str, Any]:
-    """Run one cell and return its store entry; any exception becomes a failed entry with its traceback."""
+def run_cell(cell: Cell, registry: Registry, models: ModelCache, inputs: LayerInputCache | None = None,
+             device: str | None = None) -> dict[str, Any]:
+    """Run one cell and return its store entry; any exception becomes a failed entry with its traceback.
+
+    ``inputs`` shares layer 0's captured inputs between cells (rcpu_bench.matrix.reuse); ``device`` replaces
+    the cell's device (the GPU Ray assigned), the entry still records the cell as listed.
+    """
     started = time.perf_counter()
     try:
-        record = run_experiment(cell.experiment(), registry=registry, progress=False, load=models.load,
-                                evaluate=evaluations(cell))
+        experiment = cell.experiment() if device is None else replace(cell.experiment(), device=device)
+        reuse = inputs.reuse(capture_key(cell, experiment.device)) if inputs is not None else None
+        record = run_experiment(experiment, registry=registry, progress=False, load=models.load,
+                                evaluate=evaluations(cell), reuse_capture=reuse)
         _check_finite(record)
         return make_entry(cell, seconds=time.perf_counter() - started, record=record)
     except Exception as error:  # noqa: BLE001 - one failing cell must not stop the matrix
@@ -112,23 +140,37 @@ def run_cell(cell: Cell, registry: Registry, models: ModelCache) -> dict[str, An
 
 
 class LocalExecutor:
-    """Cells one after another in this process."""
+    """Cells one after another in this process, sharing the dense model and (with ``reuse``) layer 0's inputs."""
+
+    def __init__(self, reuse: bool = True) -> None:
+        self.reuse = reuse
 
     def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[dict[str, Any]]:
-        models = ModelCache()
+        models, inputs = ModelCache(), LayerInputCache() if self.reuse else None
         for cell in cells:
             on_start(cell)
-            yield run_cell(cell, registry, models)
+            yield run_cell(cell, registry, models, inputs)
 
 
 # ------------------------------------------------------------------------------------------------ Ray
 
-_WORKER_MODELS = ModelCache()  # per Ray worker process: tasks of one model reuse its dense copy
+# Per Ray worker process: tasks of one model reuse its dense copy (when it fits: ray_resources.task_request)
+# and, on the CPU, its captured layer-0 inputs.
+_WORKER_MODELS = ModelCache()
+_WORKER_INPUTS = LayerInputCache()
 
 
-def _ray_cell(cell: Cell, registry: Registry) -> dict[str, Any]:
-    """The body of a Ray task."""
-    return run_cell(cell, registry, _WORKER_MODELS)
+def _ray_cell(cell: Cell, registry: Registry, keep_dense: bool) -> dict[str, Any]:
+    """The body of a Ray task: the cell on the GPU Ray assigned to this task (if any)."""
+    import ray
+
+    device = assigned_device(cell.device, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    _WORKER_MODELS.set_keep_dense(keep_dense)
+    try:
+        return run_cell(cell, registry, _WORKER_MODELS, _WORKER_INPUTS, device=device)
+    finally:
+        if device.startswith("cuda"):
+            _WORKER_INPUTS.clear()  # this GPU may go to another worker while this one idles
 
 
 def import_ray():
@@ -142,12 +184,15 @@ def import_ray():
 
 
 class RayExecutor:
-    """Each cell is a Ray task (a GPU for a CUDA cell if the cluster has GPUs, else a CPU); entries go to the driver.
+    """Each cell is a Ray task; its entry comes back to the driver, which alone writes the store.
 
     Connects to ``address`` (an existing cluster), or uses the connection this process already has, or
     starts a small local cluster (no dashboard, a small object store, its session files in a temporary
     directory, token auth off) that it stops again. The cluster schedules the cells, so ``on_start`` is
-    not called. Each worker process keeps the dense model of its last task (``ModelCache``).
+    not called. What a task gets (rcpu_bench.matrix.ray_resources): the package and unpublished plugins
+    (shipped when this executor connects; a connection the caller made must ship them itself) and the
+    driver's fixture and Hugging Face variables through its runtime environment, a GPU for a CUDA cell,
+    and memory for the model copies it holds.
     """
 
     def __init__(self, address: str | None = None):
@@ -155,12 +200,21 @@ class RayExecutor:
 
     def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[dict[str, Any]]:
         ray = self.ray
-        with self._connected(ray):
-            task = ray.remote(max_retries=0)(_ray_cell)
-            gpus = ray.cluster_resources().get("GPU", 0) > 0
+        with self._connected(ray, registry):
+            task = ray.remote(max_retries=0, max_calls=0)(_ray_cell)  # reused workers keep their dense copy
+            cluster = ClusterShape.of(ray)
+            runtime_env = {"env_vars": worker_env_vars()}
             registry_ref = ray.put(registry)
-            pending = {task.options(**self._resources(cell, gpus)).remote(cell, registry_ref): cell
-                       for cell in cells}
+            pending, refused = {}, []
+            for cell in cells:
+                try:
+                    request = task_request(cell, cluster)
+                except ValueError as error:  # the cluster cannot run it: no task that would wait forever
+                    refused.append(make_entry(cell, seconds=0.0, error=error_info(error)))
+                    continue
+                options = {**request.options, "runtime_env": runtime_env}
+                pending[task.options(**options).remote(cell, registry_ref, request.keep_dense)] = cell
+            yield from refused
             try:
                 while pending:
                     (ref,), _ = ray.wait(list(pending), num_returns=1)
@@ -170,12 +224,13 @@ class RayExecutor:
                     ray.cancel(ref, force=True)
 
     @contextmanager
-    def _connected(self, ray) -> Iterator[None]:
+    def _connected(self, ray, registry: Registry) -> Iterator[None]:
+        """Connected to the cluster, with the packages shipped; a connection the caller made is used as it is."""
         if ray.is_initialized():
             yield
             return
         options = self._init_options()
-        ray.init(**options)
+        ray.init(**options, runtime_env={"py_modules": shipped_packages(registry)})
         try:
             yield
         finally:
@@ -190,11 +245,6 @@ class RayExecutor:
         # Session files go to a fresh directory under the system tmp: their unix socket paths must stay short.
         return {"include_dashboard": False, "object_store_memory": RAY_OBJECT_STORE_BYTES,
                 "_temp_dir": tempfile.mkdtemp(prefix="rcpu-ray-")}
-
-    @staticmethod
-    def _resources(cell: Cell, gpus: bool) -> dict[str, int]:
-        """A GPU for a cell on a CUDA device when the cluster has GPUs, else a CPU."""
-        return {"num_gpus": 1} if gpus and cell.device.startswith("cuda") else {"num_cpus": 1}
 
     @staticmethod
     def _entry(ray, ref, cell: Cell) -> dict[str, Any]:

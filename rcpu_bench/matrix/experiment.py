@@ -69,13 +69,15 @@ class Experiment:
 
 def run_experiment(experiment: Experiment, *, registry: Registry | None = None, progress: bool = True,
                    load: Callable[..., LoadedModel] = load_model,
-                   evaluate: Callable[[Any, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+                   evaluate: Callable[[Any, Any], dict[str, Any]] | None = None,
+                   reuse_capture: Callable[[Callable[[], Any]], Any] | None = None) -> dict[str, Any]:
     """Run one experiment and return its result record.
 
     ``load`` (load_model's signature) supplies the dense model, which the run prunes in place, so it must
     return a model of its own: the matrix runner passes a cache that reads each model once and hands out copies.
     ``evaluate(model, tokenizer)`` evaluates the pruned model further; its fields join the record (the
-    matrix runner's zero-shot accuracy).
+    matrix runner's zero-shot accuracy). ``reuse_capture`` goes to prune_model: the matrix runner's cache of
+    layer-0 inputs (rcpu_bench.matrix.reuse).
     """
     registry = registry or default_registry()
     experiment.validate(registry)
@@ -91,7 +93,7 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
                    if holdout else None)
     params_before = parameter_count(model)
     report = prune_model(model, calib.tokens, experiment.prune, registry=registry, device=experiment.device,
-                         progress=progress, holdout_ids=holdout_ids)
+                         progress=progress, holdout_ids=holdout_ids, reuse_capture=reuse_capture)
     params_after = parameter_count(model)
     model.to(experiment.device)
     calib_nll, calib_targets = perplexity.sequence_nll(model, list(calib.tokens), batch_size=experiment.eval_batch_size,

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -152,11 +154,15 @@ def _peak_memory(device: torch.device) -> int:
 @torch.no_grad()
 def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, registry: Registry | None = None,
                 device: torch.device | str | None = None, progress: bool = True,
-                holdout_ids: Tensor | None = None) -> PruneReport:
+                holdout_ids: Tensor | None = None,
+                reuse_capture: Callable[[Callable[[], list[LayerInput]]], list[LayerInput]] | None = None,
+                ) -> PruneReport:
     """Prune and compensate every decoder layer of ``model`` in place from calibration token windows.
 
     With ``config.holdout`` > 0, ``holdout_ids`` holds that many held-out windows (``data.holdout_windows``)
     and each module's report gets its ``generalisation`` diagnostics (``compensation/diagnostics.py``).
+    ``reuse_capture(capture)``, when given, returns layer 0's inputs: ``capture()``, or an equal result
+    remembered from an earlier call with the same model and calibration (rcpu_bench.matrix.reuse).
     """
     registry = registry or default_registry()
     config.validate(registry)
@@ -170,7 +176,8 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     selections = global_selections(model, calib_ids, config, methods, device) if config.structure == "al-am" else None
     totals = Timer(device)
     with totals("capture"):
-        inputs = _capture(model, calib_ids, config, device)
+        capture = partial(_capture, model, calib_ids, config, device)
+        inputs = reuse_capture(capture) if reuse_capture else capture()
     held = _held_out(model, holdout_ids, config, device)
     reports = []
     for index, layer in enumerate(console.progress(layers, desc="pruning layers", unit="layer", enabled=progress)):
