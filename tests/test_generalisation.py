@@ -17,6 +17,7 @@ from rcpu_bench import cli, data
 from rcpu_bench.matrix.spec import Cell
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import default_registry
+from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.tables import generalisation
 from rcpu_bench.tables.tables import render
 
@@ -143,19 +144,20 @@ def test_prune_cli_records_the_generalisation_summary(tmp_path):
     assert summary["degrees_of_freedom_total"] == pytest.approx(sum(r["degrees_of_freedom"] for r in summary["layers"]))
 
 
-def entry(label: str, n_calib: int, lam: float | None, calib_ppl: float, held: float, dof: float = 10.0) -> dict:
-    """A store entry with the fields the generalisation tables read."""
+def entry(label: str, n_calib: int, lam: float | None, calib_ppl: float, held: float,
+          dof: float = 10.0) -> StoredResult:
+    """A stored result with the fields the generalisation tables read."""
     layers = [{"layer": 0, "module": m, "calibration_error": held / 2, "holdout_error": held, "degrees_of_freedom": dof}
               for m in ("attention", "mlp")]
     compensator = "ridge" if lam is not None else "procrustes"
     prune = {**PruneConfig(compensator=compensator, compensator_params={} if lam is None else {"lam": lam}).to_dict(),
              "holdout": 4}
-    return {"cell_id": f"{label}{n_calib}{lam}", "status": "ok",
+    return StoredResult.from_entry({"cell_id": f"{label}{n_calib}{lam}", "status": "ok",
             "cell": {"model_label": "m", "method_label": label, "ratio": 0.2, "n_calib": n_calib, "lam": lam,
                      "model": "m", "calib": f"c:{n_calib}", "prune": prune},
             "record": {"experiment": {"prune": prune}, "calibration_ppl": calib_ppl,
                        "generalisation": {"holdout_windows": 4, "layers": layers, "calibration_error_mean": held / 2,
-                                          "holdout_error_mean": held, "degrees_of_freedom_total": 2 * dof}}}
+                                          "holdout_error_mean": held, "degrees_of_freedom_total": 2 * dof}}})
 
 
 def test_tables_choose_lambda_by_each_rule_and_figures_are_written(tmp_path):
@@ -175,5 +177,5 @@ def test_tables_choose_lambda_by_each_rule_and_figures_are_written(tmp_path):
     names = sorted(p.name for p in paths)
     assert names == ["holdout_error_per_layer_m_0.2_N4.png", "holdout_error_vs_ncalib_m_0.2.png"]
     assert all(Path(p).stat().st_size > 0 for p in paths)
-    without = {**entries[2], "record": {"experiment": entries[2]["record"]["experiment"]}}
+    without = StoredResult(entries[2].cell_id, entries[2].cell, {"experiment": entries[2].record["experiment"]}, 0.0)
     assert generalisation.make_tables([without]) == []

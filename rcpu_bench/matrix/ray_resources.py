@@ -27,7 +27,7 @@ from typing import Any, get_args
 import torch
 from transformers import AutoModelForCausalLM
 
-from rcpu_bench.matrix.spec import Cell, expand_shared
+from rcpu_bench.matrix.cells import Cell, expand_shared
 from rcpu_bench.model.loading import load_config, parameter_count, resolve_dtype
 from rcpu_bench.paths import DATA_ENV, SHARED_ENV, shared_dir
 from rcpu_bench.registry import Kind, Registry

@@ -3,7 +3,7 @@ and the update's degrees of freedom, from the ``record["generalisation"]`` of ru
 
 Errors are relative, ‖Y − W̃X‖²/‖Y‖² per module (``rcpu_bench.compensation.diagnostics``); "mean" is over
 every (layer, module). Ridge rows appear once per λ and twice more at a chosen λ: λ_best by the paper's rule
-(lowest calibration perplexity, :func:`rcpu_bench.tables.tables.choose`) and by the lowest held-out error mean.
+(lowest calibration perplexity) and by the lowest held-out error mean (:mod:`rcpu_bench.tables.lambda_rules`).
 Three tables per model and pruning ratio (the errors vs N_calib, the degrees of freedom vs N_calib, and
 per layer for each N_calib) and two figures (errors per layer for each N_calib; errors vs N_calib).
 """
@@ -20,11 +20,14 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from rcpu_bench.tables.tables import Column, Metric, Row, Table, choose, method_row, percent
+from rcpu_bench.matrix.store import StoredResult
+from rcpu_bench.tables.lambda_rules import choose
+from rcpu_bench.tables.layout import method_row
+from rcpu_bench.tables.results import Metric
+from rcpu_bench.tables.table import Column, Row, Table, percent
 
-Entry = dict[str, Any]
 Place = tuple[str, float]  # (model label, pruning ratio): one table or figure
-Runs = dict[str, dict[int, Entry]]  # row label → N_calib → the run shown
+Runs = dict[str, dict[int, StoredResult]]  # row label → N_calib → the run shown
 
 ERROR = Metric("error", "", "lower", decimals=4)
 PLAIN_ERROR = Metric("error", "", None, decimals=4)  # per-layer rows are not ranked against each other
@@ -38,29 +41,28 @@ def _lam_text(lam: float) -> str:
     return f"λ={lam:.0e}" if power else f"λ={lam:g}"
 
 
-def generalisation_runs(entries: Sequence[Entry]) -> dict[Place, Runs]:
+def generalisation_runs(results: Sequence[StoredResult]) -> dict[Place, Runs]:
     """(model, ratio) → row label → N_calib → run, for the entries that recorded held-out diagnostics.
 
     A method run over a λ grid gives one row per λ plus the two λ_best rows (module docstring).
     """
-    groups: dict[tuple, list[Entry]] = defaultdict(list)
-    for entry in entries:
-        label = method_row(entry)
-        if label is not None and "generalisation" in entry["record"] and entry["cell"]["ratio"] > 0:
-            cell = entry["cell"]
-            groups[cell["model_label"], cell["ratio"], label, cell["n_calib"]].append(entry)
+    groups: dict[tuple, list[StoredResult]] = defaultdict(list)
+    for result in results:
+        label = method_row(result)
+        if label is not None and "generalisation" in result.record and result.ratio > 0:
+            groups[result.model_label, result.ratio, label, result.n_calib].append(result)
     runs: dict[Place, Runs] = defaultdict(lambda: defaultdict(dict))
     for (model, ratio, label, n_calib), members in sorted(groups.items()):
         rows = runs[model, ratio]
-        if len(members) == 1 and members[0]["cell"].get("lam") is None:
+        if len(members) == 1 and members[0].lam is None:
             rows[label][n_calib] = members[0]
             continue
         base = label.removesuffix(" (lambda_best)")  # the ls-best alias's label names one of the two rules
-        for entry in sorted(members, key=lambda e: e["cell"]["lam"]):
-            rows[f"{base} ({_lam_text(entry['cell']['lam'])})"][n_calib] = entry
-        rows[f"{base} ({RULE_CALIBRATION})"][n_calib] = choose((model, ratio, label, n_calib), members).entry
-        rows[f"{base} ({RULE_HOLDOUT})"][n_calib] = min(
-            members, key=lambda e: (e["record"]["generalisation"]["holdout_error_mean"], e["cell"]["lam"]))
+        for result in sorted(members, key=lambda r: r.lam or 0.0):
+            rows[f"{base} ({_lam_text(result.lam or 0.0)})"][n_calib] = result
+        where = (model, ratio, label, n_calib)
+        rows[f"{base} ({RULE_CALIBRATION})"][n_calib] = choose(where, members, "paper").result
+        rows[f"{base} ({RULE_HOLDOUT})"][n_calib] = choose(where, members, "holdout").result
     return {place: {label: dict(sizes) for label, sizes in rows.items()} for place, rows in runs.items()}
 
 
@@ -68,8 +70,8 @@ def _sizes(runs: Runs) -> list[int]:
     return sorted({n for sizes in runs.values() for n in sizes})
 
 
-def _summary(entry: Entry | None, key: str) -> float | None:
-    return None if entry is None else entry["record"]["generalisation"][key]
+def _summary(result: StoredResult | None, key: str) -> float | None:
+    return None if result is None else result.record["generalisation"][key]
 
 
 def error_table(model: str, ratio: float, runs: Runs) -> Table:
@@ -101,14 +103,14 @@ def layer_table(model: str, ratio: float, n_calib: int, runs: Runs) -> Table:
     rows = tuple(Row(f"{label} · layer {m['layer']} {m['module']}", ratio,
                      (m["calibration_error"], m["holdout_error"], m["degrees_of_freedom"]))
                  for label, by_n in runs.items() if n_calib in by_n
-                 for m in by_n[n_calib]["record"]["generalisation"]["layers"])
+                 for m in by_n[n_calib].record["generalisation"]["layers"])
     return Table(f"{model}, N_calib={n_calib}: reconstruction error per layer and module", columns, rows)
 
 
-def make_tables(entries: Sequence[Entry]) -> list[Table]:
+def make_tables(results: Sequence[StoredResult]) -> list[Table]:
     """Every generalisation table the entries allow (none without held-out diagnostics)."""
     tables = []
-    for (model, ratio), runs in generalisation_runs(entries).items():
+    for (model, ratio), runs in generalisation_runs(results).items():
         tables += [error_table(model, ratio, runs), dof_table(model, ratio, runs)]
         tables += [layer_table(model, ratio, n, runs) for n in _sizes(runs)]
     return tables
@@ -134,7 +136,7 @@ def draw_layers(model: str, ratio: float, n_calib: int, runs: Runs) -> Figure:
         for k, (label, by_n) in enumerate(_chosen_rows(runs).items()):
             if n_calib not in by_n:
                 continue
-            rows = [m for m in by_n[n_calib]["record"]["generalisation"]["layers"] if m["module"] == module]
+            rows = [m for m in by_n[n_calib].record["generalisation"]["layers"] if m["module"] == module]
             layers = [m["layer"] for m in rows]
             ax.plot(layers, [m["holdout_error"] for m in rows], marker="o", color=f"C{k}", label=f"{label} held-out")
             ax.plot(layers, [m["calibration_error"] for m in rows], marker="x", linestyle="--", color=f"C{k}",
@@ -169,11 +171,11 @@ def _file_name(*parts: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(str(p) for p in parts)) + ".png"
 
 
-def write_plots(entries: Sequence[Entry], out_dir: str | Path) -> list[Path]:
+def write_plots(results: Sequence[StoredResult], out_dir: str | Path) -> list[Path]:
     """The generalisation figures as PNG files in ``out_dir``: per (model, ratio) one vs N_calib, one per layer
     for each N_calib. Returns their paths (none without held-out diagnostics)."""
     out_dir, paths = Path(out_dir), []
-    for (model, ratio), runs in generalisation_runs(entries).items():
+    for (model, ratio), runs in generalisation_runs(results).items():
         figures = [(_file_name("holdout_error_vs_ncalib", model, f"{ratio:g}"), draw_sizes(model, ratio, runs))]
         figures += [(_file_name("holdout_error_per_layer", model, f"{ratio:g}", f"N{n}"),
                      draw_layers(model, ratio, n, runs)) for n in _sizes(runs)]

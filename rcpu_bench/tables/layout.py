@@ -43,7 +43,7 @@ ABLATION_LABELS = {
     BOTH_MODULES: f"{ROT} compensating both",
 }
 ROW_ORDER = [recipe.label for recipe in RECIPES.values()] + list(ABLATION_LABELS.values())
-TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency")
+TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency", "generalisation")
 
 Slot = tuple[str, int]  # (model label, N_calib): one column group, or one table of a per-slot kind
 RowKey = tuple[str, float]  # (row label, pruning ratio)
@@ -154,12 +154,17 @@ def make_tables(results: Sequence[StoredResult], table: str = "all", *, profile:
     if lambda_rule not in LAMBDA_RULES:
         raise ValueError(f"unknown lambda rule {lambda_rule!r}; allowed: {', '.join(LAMBDA_RULES)}")
     kinds = TABLE_KINDS if table == "all" else (table,)
-    specs = [spec(kind, profile, metric_map) for kind in kinds]
+    specs = [spec(kind, profile, metric_map) for kind in kinds if kind != "generalisation"]
     if {"ppl", "ppl-other", "ablation"} & set(kinds):
         check_profile(results, profile)
         if paper is not None and profile != PAPER_PROFILE:
             raise ValueError(f"the paper's perplexities are profile {PAPER_PROFILE}; got --profile {profile}")
-    return [t for s in specs for t in build_tables(results, s, paper, lambda_rule)]
+    tables = [t for s in specs for t in build_tables(results, s, paper, lambda_rule)]
+    if "generalisation" in kinds:
+        from rcpu_bench.tables import generalisation  # it builds on this module's rows
+
+        tables += generalisation.make_tables(results)
+    return tables
 
 
 def build_tables(results: Sequence[StoredResult], table_spec: Spec, paper: PaperNumbers | None,
