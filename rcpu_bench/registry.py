@@ -92,7 +92,7 @@ class Method:
     def _succeeds_with_gram(self, params: Mapping[str, Any]) -> bool:
         try:
             self(*_trial_problem(self.kind, with_gram=True), **params)
-        except Exception:
+        except Exception:  # noqa: BLE001 (any failure of the trial means: not without G)
             return False
         return True
 
@@ -243,7 +243,7 @@ class Registry:
                 except Exception as error:
                     raise PluginContractError(f"trial run of {method.kind} {method.name!r} failed: "
                                                  f"{type(error).__name__}: {error}") from error
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 (a failing plugin is isolated, whatever it raised)
             self.isolate(provider, [(m.kind, m.name) for m in methods], str(error))
             return
         for method in methods:
@@ -317,7 +317,7 @@ class PluginManager(pluggy.PluginManager):
                 if self.is_registered(plugin):
                     continue
                 self.register(plugin, name=entry.name)
-            except Exception as error:  # a broken plugin must not take the others down
+            except Exception as error:  # noqa: BLE001 (a broken plugin must not take the others down)
                 self.broken[provider] = f"{type(error).__name__}: {error}"
             else:
                 self.providers[entry.name] = provider

@@ -11,12 +11,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 from transformers import AutoTokenizer
 
 from rcpu_bench import data, paths
 from rcpu_bench.data import CalibSpec, calibration_data, parse_calib
 
-from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 needs_shared = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared fixtures not found (set {paths.SHARED_ENV})")
 # The canonical WikiText-2 raw test file (shared/DATA.md).
 WIKI_TEST_SHA = "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"

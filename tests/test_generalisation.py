@@ -15,9 +15,9 @@ from transformers import LlamaForCausalLM
 
 from rcpu_bench import cli, data
 from rcpu_bench.matrix.spec import Cell
+from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import default_registry
-from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.tables import generalisation
 from rcpu_bench.tables.tables import render
 

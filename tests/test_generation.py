@@ -3,7 +3,6 @@ MHA copy, and the ``generate`` command side by side on a pruned directory and th
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from tiny_models import STORIES, STORIES_MHA, needs_stories

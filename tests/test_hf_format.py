@@ -35,7 +35,8 @@ CASES = {  # name: (model, prune config, config kind expected)
     "gqa-al-am-flap-bias": (STORIES, PruneConfig(scorer="flap-wifv", compensator="flap-bias", structure="al-am",
                                                  statistics="one-shot", ratio=0.3), "rcpu_llama"),
     "mha-al-am-flap-bias": (STORIES_MHA, PruneConfig(scorer="flap-wifv", compensator="flap-bias",
-                                                     structure="al-am", statistics="one-shot", ratio=0.3), "rcpu_llama"),
+                                                     structure="al-am", statistics="one-shot", ratio=0.3),
+                            "rcpu_llama"),
     "mha-uniform-6-heads": (STORIES_MHA, PruneConfig(ratio=0.25), "rcpu_llama"),  # 64 % 6 != 0: no LlamaConfig
     "gqa-uniform-4-heads": (STORIES, PruneConfig(ratio=0.5, compensator="scaled-procrustes"), "llama"),
     "mha-mlp-only": (STORIES_MHA, PruneConfig(ratio=0.3, prune=("mlp",), compensate=("mlp",)), "llama"),

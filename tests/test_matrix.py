@@ -11,12 +11,22 @@ from tiny_matrices import tiny_raw, write_matrix
 from tiny_models import STORIES, needs_stories
 
 from rcpu_bench.matrix import cells as matrix_cells
-from rcpu_bench.matrix.spec import (COMPENSATE_VARIANTS, SHARED, MatrixError, apply_overrides, expand, key_table,
-                                    load_matrix, parse_matrix, read_matrix, shipped_matrices)
+from rcpu_bench.matrix.runner import preflight
+from rcpu_bench.matrix.spec import (
+    COMPENSATE_VARIANTS,
+    SHARED,
+    MatrixError,
+    apply_overrides,
+    expand,
+    key_table,
+    load_matrix,
+    parse_matrix,
+    read_matrix,
+    shipped_matrices,
+)
 from rcpu_bench.pruning import methods, options
 from rcpu_bench.pruning.options import MODULES
 from rcpu_bench.registry import default_registry
-from rcpu_bench.matrix.runner import preflight
 
 REGISTRY = default_registry()
 RIDGE_LAMS = [0.01, 1.0, 100.0]
@@ -223,7 +233,8 @@ def test_cell_ids_of_the_committed_leaderboard_stay_valid():
     """A change to what a cell hashes would orphan every stored result: the leaderboard's cells (the smoke matrix
     with the full perplexity protocols) must keep their ids."""
     leaderboard = Path(__file__).resolve().parent.parent / "results" / "leaderboard"
-    stored = {json.loads(line)["cell_id"] for line in (leaderboard / "records.jsonl").read_text(encoding="utf-8").splitlines()}
+    lines = (leaderboard / "records.jsonl").read_text(encoding="utf-8").splitlines()
+    stored = {json.loads(line)["cell_id"] for line in lines}
     cells = expand(load_matrix(str(leaderboard / "matrix.yaml")), REGISTRY)
     assert len(cells) == 46 and {cell.id for cell in cells} <= stored
 

@@ -6,8 +6,17 @@ import pytest
 import torch
 from tiny_models import STORIES, STORIES_MHA, needs_stories, tiny_config, tiny_model
 from torch import nn
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, ViTConfig)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    ViTConfig,
+)
 
 from rcpu_bench.model.adapter import check_architecture, decoder_layers, layer_geometries, layer_geometry
 from rcpu_bench.model.llama import config_head_dim

@@ -33,7 +33,8 @@ def test_the_declaration_is_prune_config():
 
 BAD = {"ratio": 1.0, "rounding": "round", "prune": ("attention", "heads"), "compensate": ["mlp"],
        "gqa_rule": "heads", "head_aggregation": "max", "statistics": "twice", "structure": "global",
-       "recollect_mlp": "yes", "offload": 1, "batch_size": 0, "holdout": -1, "gram_precision": "float16", "scorer_params": [1],
+       "recollect_mlp": "yes", "offload": 1, "batch_size": 0, "holdout": -1, "gram_precision": "float16",
+       "scorer_params": [1],
        "model_method": ""}
 
 

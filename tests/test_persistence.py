@@ -9,10 +9,10 @@ from safetensors import safe_open
 from safetensors.torch import save_model
 from tiny_models import STORIES, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model, tokens
 
+from rcpu_bench.matrix.records import library_versions
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_model, parameter_count
 from rcpu_bench.model.persistence import MANIFEST, load_pruned, read_manifest, save_pruned
-from rcpu_bench.matrix.records import library_versions
 
 REMOTE_CODE_FILES = ["README.md", "config.json", "configuration_rcpu_llama.py", "model.safetensors",
                      "modeling_rcpu_llama.py", MANIFEST]
@@ -58,7 +58,8 @@ def test_manifest_records_each_layer(tmp_path):
         assert record["o_proj_bias"] and record["down_proj_bias"]
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert (config["num_attention_heads"], config["intermediate_size"], config["head_dim"]) == (6, 20, 6)
-    assert config["layer_num_attention_heads"] == [layer.self_attn.q_proj.out_features // 6 for layer in model.model.layers]
+    heads = [layer.self_attn.q_proj.out_features // 6 for layer in model.model.layers]
+    assert config["layer_num_attention_heads"] == heads
     assert config["layer_intermediate_sizes"] == [layer.mlp.gate_proj.out_features for layer in model.model.layers]
     assert config["layer_o_proj_bias"] == config["layer_down_proj_bias"] == [True] * 3
 

@@ -18,19 +18,19 @@ from tiny_matrices import tiny_matrix, tiny_raw, write_matrix
 from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
 from rcpu_bench.compensation import compensators
+from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.matrix import executors
 from rcpu_bench.matrix.executors import ModelCache, clone_to, make_executor, run_cell
 from rcpu_bench.matrix.experiment import run_experiment
-from rcpu_bench.hookspecs import hookimpl
-from rcpu_bench.matrix.spec import MatrixError, expand, load_matrix
-from rcpu_bench.registry import build_registry, default_registry, plugin_manager
 from rcpu_bench.matrix.runner import (
     add_parser,
     default_cell_seconds,
     estimate_seconds,
     run_matrix,
 )
+from rcpu_bench.matrix.spec import MatrixError, expand, load_matrix
 from rcpu_bench.matrix.store import Store, read_results
+from rcpu_bench.registry import build_registry, default_registry, plugin_manager
 
 REGISTRY = default_registry()
 TIMEOUT_S = 120

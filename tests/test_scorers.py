@@ -67,7 +67,8 @@ def test_magnitude_is_column_l2_norm(shape):
     np.testing.assert_allclose(score(scorers.magnitude, W, X), col_l2(W), rtol=1e-12)
 
 
-# variant -> (weight column norm, activation statistic): flap ‖W_j‖₁‖X_j‖₂, rcpu-code ‖W_j‖₁·mean|x_j|, paper ‖W_j‖₂‖X_j‖₂
+# variant -> (weight column norm, activation statistic):
+# flap ‖W_j‖₁‖X_j‖₂, rcpu-code ‖W_j‖₁·mean|x_j|, paper ‖W_j‖₂‖X_j‖₂
 WANDA_VARIANTS = {"flap": (col_l1, act_l2), "rcpu-code": (col_l1, act_mean_abs), "paper": (col_l2, act_l2)}
 
 

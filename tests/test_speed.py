@@ -10,11 +10,11 @@ import torch
 from tiny_models import STORIES_MHA, needs_stories, tiny_config, tiny_model
 
 from rcpu_bench.evaluation import speed
-from rcpu_bench.matrix.experiment import Experiment, run_experiment
 from rcpu_bench.evaluation.generation import text_sample
+from rcpu_bench.evaluation.speed import inference_speed
+from rcpu_bench.matrix.experiment import Experiment, run_experiment
 from rcpu_bench.model.persistence import load_pruned
 from rcpu_bench.pruning.pipeline import PruneConfig
-from rcpu_bench.evaluation.speed import inference_speed
 
 FIELDS = {"batch_size", "prompt_tokens", "new_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "device",
           "repeats"}

@@ -167,7 +167,7 @@ def test_empty_stats_refuse_mean_and_variance():
 def test_sample_variance_needs_two_tokens():
     s = stats_of(make_X(3, 1, seed=4))
     with pytest.raises(ValueError, match="N=1"):
-        s.sample_variance
+        _ = s.sample_variance
 
 
 def test_update_rejects_wrong_width():

@@ -6,8 +6,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import (STORIES, STORIES_MHA, apply_plan, logits, needs_stories, random_plan, tiny_config,
-                         tiny_model, tokens)
+from tiny_models import (
+    STORIES,
+    STORIES_MHA,
+    apply_plan,
+    logits,
+    needs_stories,
+    random_plan,
+    tiny_config,
+    tiny_model,
+    tokens,
+)
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rcpu_bench.model.adapter import layer_geometries, layer_geometry

@@ -17,16 +17,15 @@ from lm_eval.tasks._index import TaskIndex
 from lm_eval.tasks._yaml_loader import load_yaml
 from tiny_models import STORIES, needs_stories, or_missing
 
-from rcpu_bench.evaluation import zeroshot
 from rcpu_bench.cli import main
-from rcpu_bench.model.loading import load_model
-from rcpu_bench.paths import data_dir
-from rcpu_bench.model.persistence import save_pruned
-from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
-from rcpu_bench.matrix.records import read_records
+from rcpu_bench.evaluation import zeroshot
 from rcpu_bench.evaluation.tasks import utils
 from rcpu_bench.evaluation.zeroshot import METRIC_MAPS, TASKS, builtin_yaml, evaluate_zeroshot, local_task_config
-
+from rcpu_bench.matrix.records import read_records
+from rcpu_bench.model.loading import load_model
+from rcpu_bench.model.persistence import save_pruned
+from rcpu_bench.paths import data_dir
+from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 
 DATA = or_missing(data_dir)
 ZEROSHOT = DATA / "zeroshot"
@@ -135,7 +134,8 @@ def test_converted_documents_rebuild_the_mosaic_files_exactly():
 @needs_zeroshot_data
 def test_the_boolq_artefact_is_what_the_converter_assumes():
     """Mosaic turned every " question" in a passage into "\\nQuestion": no other newline, none left."""
-    passages = [utils.strip_prefix(row["query"], "Passage: ").rsplit("\nQuestion: ", 1)[0] for row in local_rows("boolq")]
+    passages = [utils.strip_prefix(row["query"], "Passage: ").rsplit("\nQuestion: ", 1)[0]
+                for row in local_rows("boolq")]
     assert sum(p.count("\n") for p in passages) == sum(p.count("\nQuestion") for p in passages) == 33
     assert not any(" question" in p.lower() for p in passages)
 

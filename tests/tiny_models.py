@@ -11,8 +11,8 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rcpu_bench.model.adapter import layer_geometries
-from rcpu_bench.paths import SHARED_ENV, shared_dir
 from rcpu_bench.model.llama import mask_attention, mask_mlp, prune_attention, prune_mlp
+from rcpu_bench.paths import SHARED_ENV, shared_dir
 
 
 def or_missing(lookup) -> Path:

@@ -13,13 +13,20 @@ from rcpu_bench import data
 from rcpu_bench.compensation import diagnostics
 from rcpu_bench.evaluation import perplexity
 from rcpu_bench.evaluation.generation import text_sample
-from rcpu_bench.model.loading import LoadedModel, load_config, load_model, parameter_count, resolve_device, resolve_dtype
-from rcpu_bench.paths import shared_dir
-from rcpu_bench.model.persistence import save_pruned
-from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
-from rcpu_bench.matrix.records import environment, library_versions
-from rcpu_bench.registry import Registry, default_registry
 from rcpu_bench.evaluation.speed import inference_speed
+from rcpu_bench.matrix.records import environment, library_versions
+from rcpu_bench.model.loading import (
+    LoadedModel,
+    load_config,
+    load_model,
+    parameter_count,
+    resolve_device,
+    resolve_dtype,
+)
+from rcpu_bench.model.persistence import save_pruned
+from rcpu_bench.paths import shared_dir
+from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
+from rcpu_bench.registry import Registry, default_registry
 
 DEFAULT_MODEL = "stories260K-mha"  # resolved in the shared fixtures directory
 DEFAULT_CALIB = "tinystories:128x128"
@@ -60,7 +67,8 @@ class Experiment:
             perplexity.profile_source(profile, self.data_dir)
         if self.save_dir and Path(self.save_dir).exists() and any(Path(self.save_dir).iterdir()):
             raise FileExistsError(f"--save directory {self.save_dir} exists and is not empty")
-        if self.save_dir and self.prune.model_method and registry.get("model-method", self.prune.model_method).save is None:
+        method = self.prune.model_method
+        if self.save_dir and method and registry.get("model-method", method).save is None:
             raise ValueError(f"the model method {self.prune.model_method!r} registered no save function; drop --save")
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,7 +124,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         "layers": [{k: v for k, v in layer.items() if k != "seconds"} for layer in report.layers],
         "peak_memory_bytes": report.peak_memory_bytes,
     }
-    # Inference speed beside the size, and greedy text to read before / after pruning (rcpu_bench.evaluation.speed, .generation).
+    # Inference speed beside the size, and greedy text to read before / after pruning
+    # (rcpu_bench.evaluation.speed, .generation).
     record["inference"] = inference_speed(model)
     record["sample"] = text_sample(model, tokenizer)
     if holdout:

@@ -33,7 +33,6 @@ from typing import Any
 
 from rcpu_bench.matrix.spec import Cell
 from rcpu_bench.matrix.store import OK, StoredResult
-
 from rcpu_bench.tables.lambda_rules import choose
 
 ZEROSHOT = "zeroshot"

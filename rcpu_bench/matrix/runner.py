@@ -30,11 +30,6 @@ from rcpu_bench.matrix.phases import (
     phase1_entries,
     plan_phases,
 )
-from rcpu_bench.tables import plots
-from rcpu_bench.tables.layout import make_tables
-from rcpu_bench.tables.render import render
-from rcpu_bench.tables.results import default_profile
-from rcpu_bench.tables.table import percent
 from rcpu_bench.matrix.spec import (
     Cell,
     Matrix,
@@ -57,6 +52,11 @@ from rcpu_bench.matrix.store import (
 from rcpu_bench.model.loading import load_config
 from rcpu_bench.pruning.pipeline import PruneConfig
 from rcpu_bench.registry import Registry, default_registry
+from rcpu_bench.tables import plots
+from rcpu_bench.tables.layout import make_tables
+from rcpu_bench.tables.render import render
+from rcpu_bench.tables.results import default_profile
+from rcpu_bench.tables.table import percent
 
 # Seconds per cell assumed for a model with no cell stored yet, by parameter count (upper bound, seconds):
 # stories260K on a 2-core CPU with the smoke matrix's evaluation subset, then rough guesses for a 1B model on a

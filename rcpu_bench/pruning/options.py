@@ -225,7 +225,9 @@ def parse_modules(text: str) -> tuple[str, ...]:
 
 
 def _metavar(option: Option) -> str | None:
-    return {"name": "NAME", "params": "KEY=VALUE", "ratio": "RHO", "modules": "MODULES", "count": "N", "windows": "N"}.get(option.kind)
+    metavars = {"name": "NAME", "params": "KEY=VALUE", "ratio": "RHO", "modules": "MODULES", "count": "N",
+                "windows": "N"}
+    return metavars.get(option.kind)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,13 +7,12 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest
 import torch
+from slicegpt_helpers import STORIES
 from transformers.models.llama import modeling_llama
 
 from rcpu_bench import data
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.paths import shared_dir
-
-from slicegpt_helpers import STORIES
 
 
 @pytest.fixture(scope="session")

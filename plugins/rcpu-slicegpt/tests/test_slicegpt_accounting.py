@@ -2,15 +2,14 @@
 
 import pytest
 import torch
+from slicegpt_helpers import STORIES, copy_of
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rcpu_bench.model.loading import parameter_count
 from rcpu_slicegpt import SlicePlan, slice_model, sliced_parameter_count
 from rcpu_slicegpt.slicing import dim_for_parameters, sliced_dim
 
-from slicegpt_helpers import STORIES, copy_of
-
-V, D, L, H, KV, HD, I = 32000, 4096, 32, 32, 32, 128, 11008
+V, D, L, H, KV, HD, I = 32000, 4096, 32, 32, 32, 128, 11008  # noqa: E741 (I: the intermediate size)
 # LLaMA-1-7B and Llama-2-7B differ only in context length and norm ε: the same parameter shapes.
 SEVEN_B = {"llama-7b": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
            "llama-2-7b": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5}}

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from slicegpt_helpers import STORIES, copy_of, random_ids, tiny_llama
 
 from rcpu_bench.evaluation.perplexity import perplexity
 from rcpu_slicegpt import SlicedDecoderLayer, fuse_and_rotate
-
-from slicegpt_helpers import STORIES, copy_of, random_ids, tiny_llama
 
 
 def _assert_invariant(dense, calib_ids, probe):

@@ -4,12 +4,11 @@ import json
 
 import pytest
 import torch
+from slicegpt_helpers import copy_of
 
 from rcpu_bench.model.loading import parameter_count
 from rcpu_slicegpt import load_sliced, save_sliced, slice_model
 from rcpu_slicegpt.persistence import SLICING_CONFIG
-
-from slicegpt_helpers import copy_of
 
 
 @pytest.fixture(params=[("stories260K", False), ("stories260K-mha", True)], ids=["gqa", "mha-sliced-head"])

@@ -4,12 +4,11 @@ import importlib.metadata
 
 import pytest
 from packaging.requirements import Requirement
+from slicegpt_helpers import copy_of
 
 from rcpu_bench.model.loading import parameter_count
 from rcpu_bench.registry import default_registry
 from rcpu_slicegpt import reference
-
-from slicegpt_helpers import copy_of
 
 
 def test_registered_method_is_visible_with_its_parameters():

@@ -3,13 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from slicegpt_helpers import copy_of, random_ids, tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from rcpu_bench.model import capture_layer_inputs, parameter_count
 from rcpu_slicegpt import SlicePlan, slice_model, sliced_parameter_count
 from rcpu_slicegpt.slicing import principal_basis, sliced_dim
-
-from slicegpt_helpers import copy_of, random_ids, tiny_llama
 
 
 @pytest.fixture(scope="module")
