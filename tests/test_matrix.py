@@ -172,7 +172,8 @@ def test_every_shipped_matrix_validates_with_its_cell_count():
     per_scorer = sum(13 if "lam" in c.params else 1 for c in REGISTRY.methods("compensator"))
     full = 1 + 3 * len(REGISTRY.methods("scorer")) * per_scorer
     paper = 3 * 2 * 3 * (4 + 13) + 3  # 3 models × 2 N_calib × 3 ratios × (4 methods + 13 λ) + 3 dense
-    assert counts == {"ablation": 12, "full": full, "paper": paper, "smoke": 46}
+    ncalib = 9 * (7 + 2)  # 9 N_calib × (7 λ of ls-best + rcpu-rot + rcpu-rot-scale)
+    assert counts == {"ablation": 12, "full": full, "ncalib": ncalib, "paper": paper, "smoke": 46}
 
 
 @needs_stories
