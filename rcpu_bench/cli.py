@@ -14,7 +14,7 @@ from typing import Any
 from tabulate import tabulate
 
 from rcpu_bench import __version__, console
-from rcpu_bench.evaluation import generation, speed, zeroshot
+from rcpu_bench.evaluation import eval_command, generation, speed
 from rcpu_bench.matrix import runner
 from rcpu_bench.matrix.experiment import (
     DEFAULT_CALIB,
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins_parser = commands.add_parser("plugins", help="list registered scorers, compensators and model methods")
     plugins_parser.set_defaults(func=cmd_plugins)
     _add_prune_parser(commands)
-    for module in (runner, tables, plots, zeroshot, generation, speed):
+    for module in (runner, tables, plots, eval_command, generation, speed):
         module.add_parser(commands)
     return parser
 

@@ -92,7 +92,8 @@ def test_coerce_reads_yaml_lists_as_module_tuples_and_checks():
 
 
 def test_options_added_after_stored_results_are_hashed_only_when_set():
-    assert options.HASHED_WHEN_SET == {"gram_precision": "mixed", "model_method": None, "model_method_params": {}}
+    assert options.HASHED_WHEN_SET == {"gram_precision": "mixed", "model_method": None, "model_method_params": {},
+                                       "holdout": 0}
 
 
 def test_the_default_pipeline_is_every_recipe_option_but_scorer_and_compensator_at_its_default():

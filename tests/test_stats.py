@@ -289,5 +289,5 @@ def test_collect_input_stats_without_gram():
 
 
 def test_prune_config_rejects_unknown_gram_precision():
-    with pytest.raises(ValueError, match="gram_precision='half'; allowed: mixed, float64"):
+    with pytest.raises(ValueError, match="gram_precision='half' is not allowed; allowed: mixed, float64"):
         PruneConfig(gram_precision="half").validate(default_registry())

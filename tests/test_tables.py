@@ -154,7 +154,8 @@ def test_ppl_table_values_lambda_best_and_marks():
 
 
 def test_original_is_never_marked_and_ties_at_printed_precision_share_a_mark():
-    entries = [entry("original", 0.0, 5.0), entry("rcpu-rot", 0.0, 9.0),
+    # A run at ratio 0 prunes nothing: whatever its scorer and compensator, its label is "Original".
+    entries = [entry("original", 0.0, 5.0),
                entry("rcpu-rot", 0.1, 13.551), entry("rcpu-rot-scale", 0.1, 13.549), entry("flap", 0.1, 14.0)]
     (table,) = tables_of(entries, "ppl")
     assert marks_by_text(table) == {("RCPU (Rot.)", 0.1, "Llama-7B N_calib=128"): "bold",
@@ -514,7 +515,7 @@ def test_csv_has_raw_numbers_and_no_marks():
 @pytest.mark.parametrize("call, message", [
     (lambda: render([], "html"), "'html'; allowed: md, latex, csv"),
     (lambda: spec("accuracy"),
-     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, all"),
+     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, generalisation, all"),
     (lambda: tables_of(ppl_entries(), lambda_rule="median"), "'median'; allowed: paper, holdout"),
 ])
 def test_bad_names_are_reported_with_the_allowed_ones(call, message):

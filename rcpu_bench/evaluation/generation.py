@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from rcpu_bench import console
-from rcpu_bench.evaluation.zeroshot import check_model_argument, load_saved_or_model
+from rcpu_bench.evaluation.eval_command import check_model_argument, load_saved_or_model
 from rcpu_bench.model.loading import add_model_options, resolve_device, resolve_dtype
 
 SAMPLE_PROMPT = "Once upon a time"

@@ -111,7 +111,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
     """``rcpu-bench speed``: check the models, then one line per model: parameters, prefill and decode tokens/s."""
     from tabulate import tabulate
 
-    from rcpu_bench.evaluation.zeroshot import check_model_argument, load_saved_or_model
+    from rcpu_bench.evaluation.eval_command import check_model_argument, load_saved_or_model
     from rcpu_bench.matrix.experiment import (
         default_model,  # experiment imports this module for record["inference"]
     )

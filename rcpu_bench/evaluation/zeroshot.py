@@ -38,14 +38,12 @@ tasks' on the same documents, and the conversions lossless with respect to the l
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import functools
 import hashlib
 import logging
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -54,22 +52,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from huggingface_hub import constants
-from tabulate import tabulate
 
 from rcpu_bench import console
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS, table_metric
-from rcpu_bench.matrix.records import append_record, library_versions
-from rcpu_bench.model.loading import (
-    LoadedModel,
-    add_model_options,
-    load_config,
-    load_model,
-    model_source,
-    parameter_count,
-    resolve_device,
-    resolve_dtype,
-)
-from rcpu_bench.model.persistence import MANIFEST, load_saved, read_manifest
 from rcpu_bench.paths import data_dir as default_data_dir
 
 logger = logging.getLogger(__name__)
@@ -424,133 +409,3 @@ def evaluate_zeroshot(model: Any, tokenizer: Any, tasks: str | tuple[str, ...] |
     plan = plan_zeroshot(tasks, data_dir=data_dir, limit=limit, batch_size=batch_size, source=source,
                          metric_map=metric_map, num_fewshot=num_fewshot, include_path=include_path)
     return run_zeroshot(model, tokenizer, plan)
-
-
-def _with_stderr(task: dict[str, Any], stat: str) -> str:
-    """``stat ± stderr`` of one task, or "-" where the task has no such metric."""
-    if stat not in task:
-        return "-"
-    value, stderr = task[stat], task.get(stderr_key(stat))
-    number = f"{value:.4f}" if isinstance(value, float) else str(value)
-    return f"{number} ± {stderr:.4f}" if isinstance(stderr, float) else number
-
-
-def stderr_key(metric: str) -> str:
-    """The key of ``metric``'s stderr in a ``task_summary``: ``acc`` -> ``acc_stderr``,
-    ``exact_match,flexible-extract`` -> ``exact_match_stderr,flexible-extract`` (lm-eval's naming)."""
-    name, comma, filter_name = metric.partition(",")
-    return f"{name}_stderr{comma}{filter_name}"
-
-
-def metric_names(task: dict[str, Any]) -> list[str]:
-    """The metrics of a ``task_summary``: its keys that are neither bookkeeping nor a stderr."""
-    return [key for key in task if key not in TASK_FIELDS and not key.partition(",")[0].endswith("_stderr")]
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """The per-task tables of an ``evaluate_zeroshot`` result: the paper tasks with their table metric and
-    mean, then every metric of the other tasks and groups."""
-    paper = {task: t for task, t in result["tasks"].items() if task in result["metrics"]}
-    parts = []
-    if paper:
-        rows = [(task, t["n"], t["version"], _with_stderr(t, "acc"), _with_stderr(t, "acc_norm"), t["metric"],
-                 f"{t['value']:.4f}") for task, t in paper.items()]
-        rows.append(("mean", "", "", "", "", result["metric_map"], f"{result['mean']:.4f}"))
-        parts.append(tabulate(rows, headers=["task", "n", "version", "acc", "acc_norm", "metric", "value"]))
-    rows = [(name, t["n"], t["num_fewshot"], t["version"], metric, _with_stderr(t, metric))
-            for name, t in result["tasks"].items() if name not in paper for metric in metric_names(t)]
-    if rows:
-        parts.append(tabulate(rows, headers=["task", "n", "shots", "version", "metric", "value"]))
-    return "\n\n".join(parts)
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-
-
-def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add the ``eval`` subcommand to an ``add_subparsers()`` object and return its parser."""
-    p = commands.add_parser("eval", help="accuracy of a model through lm-eval: the paper's seven zero-shot tasks "
-                            "(default) or any lm-eval task or group",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True,
-                   help="hub id, Hugging Face model directory, or directory written by save_pruned / --save")
-    add_model_options(p)
-    p.add_argument("--tasks", default=",".join(TASKS),
-                   help="comma-separated lm-eval task, group or tag names (offline, the paper's seven read "
-                   "the shipped local copies)")
-    p.add_argument("--include-path", action="append", metavar="DIR",
-                   help="a directory of your own lm-eval task YAMLs, added to lm-eval's index (repeatable)")
-    p.add_argument("--num-fewshot", type=int, help="examples in each prompt; unset: each task's own number, else 0")
-    p.add_argument("--limit", type=int, help="first N examples of each task (default: all)")
-    p.add_argument("--output-path", metavar="PATH",
-                   help="write lm-eval's results JSON here (a directory, or a .json file), as lm-eval does")
-    p.add_argument("--log-samples", action="store_true",
-                   help="also write every document, prompt and response under --output-path (lm-eval's samples)")
-    p.add_argument("--eval-batch-size", type=int, default=16, help="sequences per lm-eval forward pass")
-    p.add_argument("--source", choices=SOURCES, default="auto",
-                   help="data of the seven paper tasks: local files, the hub's datasets, or the hub when "
-                   "reachable else local")
-    p.add_argument("--metric-map", choices=tuple(METRIC_MAPS), default="paper",
-                   help="metric per task in the table and the mean")
-    p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
-    p.add_argument("--out", metavar="JSONL", help="append the result record to this file")
-    console.add_quiet_option(p)
-    p.set_defaults(func=cmd_eval)
-    return p
-
-
-def pruned_directory(name: str) -> Path | None:
-    """``name`` as a directory written by ``save_pruned`` (it has a manifest), or None."""
-    path = Path(name).expanduser()
-    return path if (path / MANIFEST).is_file() else None
-
-
-def check_model_argument(name: str, revision: str | None) -> None:
-    """Reject a missing path, a pruned directory without tokenizer, or an unsupported model, before loading."""
-    directory = pruned_directory(model_source(name))
-    if directory is None:
-        load_config(name, revision)
-        return
-    read_manifest(directory)
-    if not (directory / "tokenizer_config.json").is_file():
-        raise ValueError(f"{directory} has no tokenizer (save_pruned was called without one)")
-
-
-def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str) -> LoadedModel:
-    """``load_saved`` for a directory written by save_pruned (or a model method), else ``load_model``."""
-    directory = pruned_directory(name)
-    if directory is not None:
-        return load_saved(directory, dtype=dtype, device=device)
-    return load_model(name, dtype=dtype, device=device, revision=revision)
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    """``rcpu-bench eval``: check everything, load the model, evaluate, print the table, append the record."""
-    try:
-        resolve_dtype(args.dtype)
-        resolve_device(args.device)
-        check_model_argument(args.model, args.revision)
-        if args.log_samples and not args.output_path:
-            raise ValueError("--log-samples needs --output-path (where lm-eval writes the samples)")
-        plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.eval_batch_size,
-                             source=args.source, metric_map=args.metric_map, num_fewshot=args.num_fewshot,
-                             include_path=args.include_path)
-    except (ValueError, OSError) as error:
-        print(f"rcpu-bench: error: {error}", file=sys.stderr)
-        return 2
-    loaded = load_saved_or_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device)
-    result = run_zeroshot(loaded.model, loaded.tokenizer, plan, log_samples=args.log_samples,
-                          output_path=args.output_path, model_name=args.model)
-    print(format_table(result))
-    print(f"source: {result['source']} ({result['source_reason']}); {result['examples']} examples in "
-          f"{result['seconds']:.1f} s ({result['examples_per_second']:.1f}/s); lm-eval {result['lm_eval_version']}")
-    for note in result["notes"]:
-        print(f"note: {note}")
-    if args.output_path:
-        print(f"lm-eval results{' and samples' if args.log_samples else ''} written under {args.output_path}")
-    if args.out:
-        record = {"command": "eval", "model_provenance": loaded.provenance,
-                  "parameters": parameter_count(loaded.model), "versions": library_versions(), "zeroshot": result}
-        append_record(args.out, record)
-        print(f"record appended to {args.out}")
-    return 0
