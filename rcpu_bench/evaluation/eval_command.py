@@ -114,6 +114,15 @@ def check_model_argument(name: str, revision: str | None) -> None:
         raise ValueError(f"{directory} has no tokenizer (save_pruned was called without one)")
 
 
+def check_models(names: list[str], args: argparse.Namespace) -> None:
+    """Reject a bad ``--dtype`` or ``--device`` and any bad model argument (:func:`check_model_argument`), before
+    anything is loaded: what every command that loads models checks first."""
+    resolve_dtype(args.dtype)
+    resolve_device(args.device)
+    for name in names:
+        check_model_argument(name, args.revision)
+
+
 def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str) -> LoadedModel:
     """``load_saved`` for a directory written by save_pruned (or a model method), else ``load_model``."""
     directory = pruned_directory(name)
@@ -125,9 +134,7 @@ def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: 
 def cmd_eval(args: argparse.Namespace) -> int:
     """``rcpu-bench eval``: check everything, load the model, evaluate, print the table, append the record."""
     try:
-        resolve_dtype(args.dtype)
-        resolve_device(args.device)
-        check_model_argument(args.model, args.revision)
+        check_models([args.model], args)
         if args.log_samples and not args.output_path:
             raise ValueError("--log-samples needs --output-path (where lm-eval writes the samples)")
         plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.eval_batch_size,

@@ -15,8 +15,8 @@ import torch
 from transformers import GenerationConfig
 
 from rcpu_bench import console
-from rcpu_bench.evaluation.eval_command import check_model_argument, load_saved_or_model
-from rcpu_bench.model.loading import add_model_options, resolve_device, resolve_dtype
+from rcpu_bench.evaluation.eval_command import check_models, load_saved_or_model
+from rcpu_bench.model.loading import add_model_options
 
 SAMPLE_PROMPT = "Once upon a time"
 SAMPLE_TOKENS = 24
@@ -73,12 +73,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     names = [args.model or default_model(), *([args.compare] if args.compare else [])]
     try:
-        resolve_dtype(args.dtype)
-        resolve_device(args.device)
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
-        for name in names:
-            check_model_argument(name, args.revision)
+        check_models(names, args)
     except (ValueError, OSError) as error:
         print(f"rcpu-bench: error: {error}", file=sys.stderr)
         return 2

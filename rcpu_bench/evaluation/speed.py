@@ -111,18 +111,15 @@ def cmd_speed(args: argparse.Namespace) -> int:
     """``rcpu-bench speed``: check the models, then one line per model: parameters, prefill and decode tokens/s."""
     from tabulate import tabulate
 
-    from rcpu_bench.evaluation.eval_command import check_model_argument, load_saved_or_model
+    from rcpu_bench.evaluation.eval_command import check_models, load_saved_or_model
     from rcpu_bench.matrix.experiment import (
         default_model,  # experiment imports this module for record["inference"]
     )
-    from rcpu_bench.model.loading import parameter_count, resolve_device, resolve_dtype
+    from rcpu_bench.model.loading import parameter_count
 
     names = args.model or [default_model()]
     try:
-        resolve_dtype(args.dtype)
-        resolve_device(args.device)
-        for name in names:
-            check_model_argument(name, args.revision)
+        check_models(names, args)
     except (ValueError, OSError) as error:
         print(f"rcpu-bench: error: {error}", file=sys.stderr)
         return 2
