@@ -6,19 +6,13 @@ and ``self_attn.head_dim`` / ``self_attn.num_key_value_groups``. Pruning a head 
 rewrites q/k/v rows and o_proj columns, a channel gate/up rows and a down_proj column
 (``rcpu_bench.model.surgery``); transformers ≥ 4.48 reshapes with -1 and ``head_dim``, so only
 ``num_key_value_groups`` (and the MLP's ``intermediate_size``) has to follow the new counts.
-
-A pruned Llama is saved with a plain ``LlamaConfig`` when its layers are alike, else with the per-layer
-``RcpuLlamaConfig`` of ``rcpu_bench.model.hf_format``; other members of the family keep their config.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor, nn
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
-from rcpu_bench.model.hf_format import AUTO_MAP, PER_LAYER, RcpuLlamaConfig, RcpuLlamaForCausalLM
 from rcpu_bench.model.surgery import head_counts, rewrite_channels, rewrite_heads
 from rcpu_bench.model.views import LayerGeometry, LayerView, ModelView, check_module
 
@@ -27,8 +21,6 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 SUPPORTED = ("LlamaForCausalLM-shaped decoders (Llama, Mistral, Qwen2, ...): model.model.layers[i] with "
              "self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj as nn.Linear, and self_attn.head_dim / "
              "self_attn.num_key_value_groups")
-# Keys of a saved config that describe the file, not the model: rebuilt for the config written.
-_FILE_KEYS = ("architectures", "auto_map", "model_type", "transformers_version", *PER_LAYER)
 
 
 def config_head_dim(config: PretrainedConfig) -> int:
@@ -159,33 +151,3 @@ class LlamaModel(ModelView):
     @property
     def lm_head(self) -> nn.Linear:
         return self.model.lm_head
-
-    def saved_config(self, records: list[dict[str, Any]]) -> tuple[str, PretrainedConfig]:
-        return saved_config(self.model.config, records)
-
-
-def saved_config(config: PretrainedConfig, records: list[dict[str, Any]]) -> tuple[str, PretrainedConfig]:
-    """The config to save for a model of ``config`` whose layers are ``records``, and its kind.
-
-    ``"llama"``: a plain LlamaConfig (all layers alike, biases as the config's attention_bias / mlp_bias,
-    heads dividing hidden_size: transformers 5 rejects a LlamaConfig otherwise); ``"rcpu_llama"``: an
-    RcpuLlamaConfig with per-layer lists; ``"original"``: ``config`` itself, for a model that is not a Llama.
-    """
-    if config.model_type not in ("llama", RcpuLlamaConfig.model_type):
-        return "original", config
-    base = {k: v for k, v in config.to_dict().items() if k not in _FILE_KEYS}
-    base["head_dim"] = config_head_dim(config)
-    first = records[0]
-    plain = (all(record == first for record in records) and config.hidden_size % first["n_heads"] == 0
-             and first["o_proj_bias"] == base.get("attention_bias", False)
-             and first["down_proj_bias"] == base.get("mlp_bias", False))
-    if plain:
-        return "llama", LlamaConfig(**{**base, "num_attention_heads": first["n_heads"],
-                                        "num_key_value_heads": first["n_kv_heads"],
-                                        "intermediate_size": first["intermediate"]})
-    columns = ("n_heads", "n_kv_heads", "intermediate", "o_proj_bias", "down_proj_bias")  # in PER_LAYER's order
-    per_layer = {name: [record[column] for record in records] for name, column in zip(PER_LAYER, columns, strict=True)}
-    remote = RcpuLlamaConfig(**base, **per_layer)
-    remote.auto_map = dict(AUTO_MAP)
-    remote.architectures = [RcpuLlamaForCausalLM.__name__]
-    return "rcpu_llama", remote

@@ -3,16 +3,13 @@
 A pruned model is saved as a directory with
 
 - ``model.safetensors``: the weights (tied embeddings stored once);
-- ``config.json``: the pruned model's config, as its family (``rcpu_bench.model.adapter``) writes it; for
-  the Llama family a plain ``LlamaConfig`` when every layer has the same
-  head and channel counts, no bias beyond the original config's, and a head count dividing the hidden
-  size (transformers 5 rejects a LlamaConfig otherwise): then ``AutoModelForCausalLM.from_pretrained``
-  loads it as it is. Otherwise an ``RcpuLlamaConfig`` with per-layer widths and biases, whose
-  ``auto_map`` names the configuration and modeling source written beside it (``rcpu_bench.model.hf_format``,
-  which explains why remote code and not transformers' own per-layer configuration), so that
-  ``from_pretrained(directory, trust_remote_code=True)`` loads it. A non-Llama model (Mistral, Qwen2, ...)
-  keeps its original config and loads through ``load_pruned`` only (the manifest says ``"config":
-  "original"``);
+- ``config.json``: the pruned model's config (``saved_config``, the same for every family): the family's own
+  config class (``LlamaConfig``, ``Qwen2Config``, ``Gemma2Config``, ...) with the pruned head and channel
+  counts and an explicit head_dim when it builds exactly the saved shapes (every layer alike, biases as the
+  family has them): then ``AutoModelForCausalLM.from_pretrained(directory)`` loads it with no remote code.
+  Otherwise an ``RcpuPrunedConfig`` (``rcpu_bench.model.hf_format``): the family's config plus per-layer
+  counts and added biases, loaded by the package's classes (registered when rcpu_bench is imported), or,
+  without rcpu-bench, by the source written beside it with ``trust_remote_code=True``;
 - ``rcpu_manifest.json``: the shape of every layer (query/kv heads, head size, intermediate size,
   o_proj/down_proj biases), the parameter count, the kind of config written, the method and the provenance;
 - ``README.md``: a model card (method, ratio, calibration, parameter count, perplexities);
@@ -20,8 +17,8 @@ A pruned model is saved as a directory with
 
 ``load_pruned`` builds the model without weights (meta device) from config.json, checks each layer
 against the manifest, then loads the weights strictly; it needs nothing but that directory, and also
-reads format version 1 (written before version 2: the original config, which it shrinks layer by
-layer with the surgery functions).
+reads format versions 1 (the original config, which it shrinks layer by layer with the surgery functions)
+and 2 (a ``LlamaConfig``, or the Llama-only per-layer ``RcpuLlamaConfig`` it reads as an ``RcpuPrunedConfig``).
 """
 
 from __future__ import annotations
@@ -41,19 +38,19 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from rcpu_bench.matrix.records import library_versions
-from rcpu_bench.model.adapter import model_view
-from rcpu_bench.model.hf_format import RcpuLlamaConfig, RcpuLlamaForCausalLM, write_source
+from rcpu_bench.model.adapter import layer_geometries, model_view
+from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, write_per_layer_config
 from rcpu_bench.model.loading import LoadedModel, dtype_argument, parameter_count, resolve_device, resolve_dtype
 from rcpu_bench.model.views import LayerView
 from rcpu_bench.pruning.methods import MODULES
 
 FORMAT = "rcpu-bench-pruned"
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 MANIFEST = "rcpu_manifest.json"
 WEIGHTS = "model.safetensors"
 CARD = "README.md"
-CONFIG_KINDS = ("llama", "rcpu_llama", "original")
+CONFIG_KINDS = ("family", "per_layer", "llama", "rcpu_llama", "original")  # the last three: formats 1 and 2
 
 
 def layer_records(model: PreTrainedModel) -> list[dict[str, Any]]:
@@ -79,10 +76,13 @@ def model_card(manifest: dict, record: dict | None = None) -> str:
     record = record or {}
     method = manifest["method"]
     source = manifest["provenance"].get("name_or_path", "not recorded")
-    loading = {"llama": "`AutoModelForCausalLM.from_pretrained(directory)` (a plain Llama config)",
-               "rcpu_llama": "`AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)`: the "
-                             "layers have their own widths, built by `modeling_rcpu_llama.py` in this directory",
-               "original": "`rcpu_bench.model.persistence.load_pruned(directory)` only (not a Llama config)"}
+    loading = {"family": "`AutoModelForCausalLM.from_pretrained(directory)`, with no remote code: config.json is the "
+                         "model family's own config with the pruned head and channel counts",
+               "per_layer": "`AutoModelForCausalLM.from_pretrained(directory)` after `import rcpu_bench` (which "
+                            "registers the per-layer format), or with `trust_remote_code=True` without rcpu-bench: the layers "
+                            "have their own widths (or biases the family's config cannot express), which the family's "
+                            "own config cannot describe, so config.json is an `RcpuPrunedConfig` built by "
+                            "`modeling_rcpu_pruned.py` in this directory"}
     lines = ["# Pruned model (rcpu-bench)", "", f"Pruned from `{source}` by rcpu-bench.", "",
              "| | |", "|---|---|"]
     named = [("model method", "model_method"), ("scorer", "scorer"), ("compensator", "compensator"),
@@ -100,8 +100,8 @@ def model_card(manifest: dict, record: dict | None = None) -> str:
                   for p in ppl]
     else:
         lines.append("Not recorded (saved without an experiment record).")
-    lines += ["", "## Loading", "", (f"Load with {loading[manifest['config']]}, or with "
-                                      "`rcpu_bench.model.persistence.load_pruned(directory)`. Per-layer shapes and "
+    lines += ["", "## Loading", "", (f"Format: `{manifest['config']}`. Load with {loading[manifest['config']]}, "
+                                      "or with `rcpu_bench.model.persistence.load_pruned(directory)`. Per-layer shapes and "
                                       f"provenance: `{MANIFEST}`."), ""]
     return "\n".join(lines)
 
@@ -119,23 +119,94 @@ def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
 
     ``record`` (the experiment's result record) supplies the model card's calibration and perplexities.
     """
-    kind, config = model_view(model).saved_config(layer_records(model))
+    kind, config = saved_config(model)
     manifest = build_manifest(model, method, provenance, kind)
     text = json.dumps(manifest, indent=2)  # a non-JSON method/provenance fails before anything is written
     card = model_card(manifest, record)
 
     def write(staging: Path) -> None:
         save_file(unique_tensors(model), str(staging / WEIGHTS), metadata={"format": "pt"})
-        config.save_pretrained(staging)
-        if kind == "rcpu_llama":
-            write_source(staging)
+        if kind == "per_layer":
+            write_per_layer_config(config, staging)
+        else:
+            config.save_pretrained(staging)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
+            save_tokenizer(tokenizer, staging)
         (staging / MANIFEST).write_text(text)
         (staging / CARD).write_text(card)
 
     write_atomically(directory, write, overwrite=overwrite)
     return manifest
+
+
+def saved_config(model: PreTrainedModel) -> tuple[str, PretrainedConfig]:
+    """The config to save for ``model`` (any family), and its kind, checked to build exactly its tensor shapes.
+
+    ``"family"``: the family's own config with the pruned counts (num_attention_heads, num_key_value_heads,
+    intermediate_size, head_dim), when every layer is alike and that config builds exactly the model's tensors
+    (no bias the family lacks; transformers accepts the counts). Else ``"per_layer"``: an ``RcpuPrunedConfig``
+    of the unpruned family config (explicit head_dim) with per-layer counts and added biases.
+    """
+    base = family_config(model.config, head_dim=layer_geometries(model)[0].head_dim)
+    geometries = layer_geometries(model)
+    first, shapes = geometries[0], tensor_shapes(model)
+    if all(geometry == first for geometry in geometries):
+        counts = {"num_attention_heads": first.n_heads, "num_key_value_heads": first.n_kv_heads,
+                  "intermediate_size": first.intermediate}
+        try:
+            uniform = type(base).from_dict({**base.to_dict(), **counts})
+        except ValueError:  # e.g. transformers 5's LlamaConfig wants the heads to divide hidden_size
+            uniform = None
+        if uniform is not None and tensor_shapes(skeleton(uniform)) == shapes:
+            return "family", uniform
+    per_layer = {"layer_num_attention_heads": [g.n_heads for g in geometries],
+                 "layer_num_key_value_heads": [g.n_kv_heads for g in geometries],
+                 "layer_intermediate_sizes": [g.intermediate for g in geometries]}
+    plain = RcpuPrunedConfig.of(base, **per_layer, layer_added_biases=[[] for _ in geometries])
+    config = RcpuPrunedConfig.of(base, **per_layer, layer_added_biases=added_biases(model, skeleton(plain)))
+    built = tensor_shapes(skeleton(config))
+    if built != shapes:
+        bad = sorted(set(built.items()) ^ set(shapes.items()))[:4]
+        raise ValueError(f"cannot save {type(model).__name__}: its family's layers built at the pruned counts "
+                         f"differ from the model's (tensors {bad}); the per-layer format expresses head and channel "
+                         "counts and added linear biases only")
+    return "per_layer", config
+
+
+def family_config(config: PretrainedConfig, *, head_dim: int) -> PretrainedConfig:
+    """``config`` as its family's config class (without the per-layer lists a reloaded per-layer model carries),
+    with an explicit ``head_dim``: it no longer equals hidden_size / heads once heads are removed."""
+    values = {k: v for k, v in config.to_dict().items() if k not in (*PER_LAYER, "architectures", "auto_map")}
+    return type(config).from_dict({**values, "head_dim": head_dim})
+
+
+def skeleton(config: PretrainedConfig) -> PreTrainedModel:
+    """A weightless (meta) causal LM of ``config``."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor in ``model``'s state dict."""
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def added_biases(model: PreTrainedModel, plain: PreTrainedModel) -> list[list[str]]:
+    """Per decoder layer, the linear layers (names inside the layer) with a bias in ``model`` but not in ``plain``
+    (the same family built at the same widths): o_proj / down_proj after FLAP's bias compensation."""
+    return [sorted(name.removesuffix(".bias") for name in set(layer.state_dict()) - set(built.state_dict())
+                   if name.endswith(".bias"))
+            for layer, built in zip(model_view(model).layers, model_view(plain).layers, strict=True)]
+
+
+def save_tokenizer(tokenizer: Any, directory: Path) -> None:
+    """Save ``tokenizer``'s files without ``auto_map``: reloading them must never need (or prompt for) remote code."""
+    tokenizer.save_pretrained(directory)
+    path = directory / "tokenizer_config.json"
+    if path.is_file():
+        settings = json.loads(path.read_text())
+        if settings.pop("auto_map", None) is not None:
+            path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def unique_tensors(model: nn.Module) -> dict[str, Tensor]:
@@ -229,10 +300,7 @@ def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtyp
     layers are checked against ``records``.
     """
     with torch.device("meta"):
-        if isinstance(config, RcpuLlamaConfig):  # not registered with the Auto classes: no global side effect
-            model = RcpuLlamaForCausalLM._from_config(config, **dtype_argument(dtype))
-        else:
-            model = AutoModelForCausalLM.from_config(config, **dtype_argument(dtype))
+        model = AutoModelForCausalLM.from_config(config, **dtype_argument(dtype))
     layers = model_view(model).views()
     if len(records) != len(layers):
         raise ValueError(f"{MANIFEST} describes {len(records)} layers but the config has {len(layers)}")
@@ -248,21 +316,40 @@ def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtyp
     return model
 
 
-def load_pruned(directory: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Rebuild a model saved by ``save_pruned`` (format 1 or 2), in eval mode, from its directory alone.
+def load_pruned(directory: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
+                trust_remote_code: bool = False) -> LoadedModel:
+    """Rebuild a model saved by ``save_pruned`` (format 1, 2 or 3), in eval mode, from its directory alone.
 
     The weights are loaded strictly (every tensor present, shapes equal) and the parameter count is
-    checked against the manifest's. The tokenizer is None when none was saved.
+    checked against the manifest's. The tokenizer is None when none was saved. No code from the directory
+    runs unless ``trust_remote_code`` (the per-layer format is built by this package's classes).
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
     kind = manifest.get("config", "original")  # format 1 saved the original config
     if kind not in CONFIG_KINDS:
         raise ValueError(f"{directory / MANIFEST} has config {kind!r}; allowed: {', '.join(CONFIG_KINDS)}")
-    config = (RcpuLlamaConfig if kind == "rcpu_llama" else AutoConfig).from_pretrained(directory)
+    if kind == "rcpu_llama":
+        config = format_2_per_layer_config(json.loads((directory / "config.json").read_text()))
+    else:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code and kind != "per_layer")
+    if (kind == "per_layer") != isinstance(config, RcpuPrunedConfig):
+        raise ValueError(f"{directory / MANIFEST} says config {kind!r} but config.json is a {type(config).__name__}")
     model = build_skeleton(config, manifest["layers"], resolve_dtype(dtype), reshape=kind == "original")
     return materialize(model, directory, manifest["weights"], manifest["parameter_count"], dtype=dtype, device=device,
                        method=manifest["method"], source=manifest["provenance"])
+
+
+def format_2_per_layer_config(saved: dict[str, Any]) -> RcpuPrunedConfig:
+    """Format 2's ``RcpuLlamaConfig`` (a Llama config plus per-layer head and channel lists and o_proj /
+    down_proj bias flags) as the ``RcpuPrunedConfig`` that builds the same model."""
+    saved = dict(saved)
+    biases = [[name for name, flag in (("self_attn.o_proj", o_bias), ("mlp.down_proj", down_bias)) if flag]
+              for o_bias, down_bias in zip(saved.pop("layer_o_proj_bias"), saved.pop("layer_down_proj_bias"),
+                                           strict=True)]
+    per_layer = {name: saved.pop(name) for name in PER_LAYER[:3]}
+    base = {k: v for k, v in saved.items() if k not in ("architectures", "auto_map", "transformers_version")}
+    return RcpuPrunedConfig(base_config={**base, "model_type": "llama"}, **per_layer, layer_added_biases=biases)
 
 
 def materialize(skeleton: PreTrainedModel, directory: Path, weights: str, expected_count: int, *, dtype: str,
@@ -279,7 +366,8 @@ def materialize(skeleton: PreTrainedModel, directory: Path, weights: str, expect
     count = parameter_count(skeleton)
     if count != expected_count:
         raise ValueError(f"the rebuilt model has {count} parameters; the manifest says {expected_count}")
-    tokenizer = AutoTokenizer.from_pretrained(directory) if (directory / "tokenizer_config.json").is_file() else None
+    tokenizer = (AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+                 if (directory / "tokenizer_config.json").is_file() else None)
     info = {"name_or_path": str(directory), "dtype": dtype, "device": device,
             "config_class": type(skeleton.config).__name__, "model_class": type(skeleton).__name__,
             "parameter_count": count, **provenance}
@@ -307,14 +395,14 @@ def recompute_rotary(model: nn.Module) -> None:
 
 
 def load_saved(directory: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
-               registry: Any = None) -> LoadedModel:
+               registry: Any = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load a directory written by ``save_pruned`` or by a whole-model method's saver (named in its manifest)."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {directory} is not a saved pruned model")
     manifest = json.loads(path.read_text())
     if manifest.get("format") == FORMAT or "model_method" not in manifest:
-        return load_pruned(directory, dtype=dtype, device=device)
+        return load_pruned(directory, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     from rcpu_bench.registry import default_registry  # the registry imports the plugins, which import this module
 
     method = (registry or default_registry()).get("model-method", manifest["model_method"])

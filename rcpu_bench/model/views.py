@@ -16,11 +16,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import PretrainedConfig
 
 from rcpu_bench.model.surgery import heads_of_columns
 from rcpu_bench.pruning.methods import MODULES  # re-exported by rcpu_bench.model for plugins
@@ -192,10 +190,6 @@ class ModelView(ABC):
     @abstractmethod
     def lm_head(self) -> nn.Linear:
         """The output projection to the vocabulary."""
-
-    @abstractmethod
-    def saved_config(self, records: list[dict[str, Any]]) -> tuple[str, PretrainedConfig]:
-        """The config to save for layers shaped as ``records`` (``persistence.layer_records``), and its kind."""
 
     def layer(self, index: int) -> LayerView:
         """A view of decoder layer ``index``."""
