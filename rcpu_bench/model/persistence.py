@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_model, save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
@@ -155,7 +156,7 @@ def saved_config(model: PreTrainedModel) -> tuple[str, PretrainedConfig]:
                   "intermediate_size": first.intermediate}
         try:
             uniform = type(base).from_dict({**base.to_dict(), **counts})
-        except ValueError:  # e.g. transformers 5's LlamaConfig wants the heads to divide hidden_size
+        except (ValueError, StrictDataclassError):  # e.g. transformers 5's LlamaConfig: heads must divide hidden_size
             uniform = None
         if uniform is not None and tensor_shapes(skeleton(uniform)) == shapes:
             return "family", uniform
