@@ -56,7 +56,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     config = options.from_args(args)
     experiment = Experiment(model=args.model or default_model(), prune=config, calib=args.calib,
                             ppl_profiles=tuple(args.ppl), revision=args.revision, dtype=args.dtype, device=args.device,
-                            eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
+                            trust_remote_code=args.trust_remote_code, eval_batch_size=args.eval_batch_size,
+                            data_dir=args.data_dir, save_dir=args.save)
     try:
         experiment.validate(default_registry())
     except (ValueError, KeyError, OSError) as error:

@@ -1,5 +1,7 @@
 """Saved pruned models load with stock transformers / lm-eval, bit-exactly: plain Llama configs where the
-pruned shape allows one, else the package's remote code (rcpu_bench.model.hf_format)."""
+pruned shape allows one, else the per-layer format (rcpu_bench.model.hf_format): the package's registered
+classes where rcpu_bench is imported, the source written beside the weights (remote code) elsewhere.
+(Every family: test_family_save.py.)"""
 
 import json
 import subprocess
@@ -20,7 +22,8 @@ PROMPT = "Once upon a time there was a little"
 
 
 def from_pretrained(directory, **kwargs):
-    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **kwargs).eval()
+    """Plain from_pretrained: importing rcpu_bench registered the per-layer format, so no remote code runs."""
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False, **kwargs).eval()
 
 
 def pruned_stories(path, config: PruneConfig):
@@ -33,13 +36,13 @@ def pruned_stories(path, config: PruneConfig):
 
 CASES = {  # name: (model, prune config, config kind expected)
     "gqa-al-am-flap-bias": (STORIES, PruneConfig(scorer="flap-wifv", compensator="flap-bias", structure="al-am",
-                                                 statistics="one-shot", ratio=0.3), "rcpu_llama"),
+                                                 statistics="one-shot", ratio=0.3), "per_layer"),
     "mha-al-am-flap-bias": (STORIES_MHA, PruneConfig(scorer="flap-wifv", compensator="flap-bias",
                                                      structure="al-am", statistics="one-shot", ratio=0.3),
-                            "rcpu_llama"),
-    "mha-uniform-6-heads": (STORIES_MHA, PruneConfig(ratio=0.25), "rcpu_llama"),  # 64 % 6 != 0: no LlamaConfig
-    "gqa-uniform-4-heads": (STORIES, PruneConfig(ratio=0.5, compensator="scaled-procrustes"), "llama"),
-    "mha-mlp-only": (STORIES_MHA, PruneConfig(ratio=0.3, prune=("mlp",), compensate=("mlp",)), "llama"),
+                            "per_layer"),
+    "mha-uniform-6-heads": (STORIES_MHA, PruneConfig(ratio=0.25), "per_layer"),  # 64 % 6 != 0: no LlamaConfig
+    "gqa-uniform-4-heads": (STORIES, PruneConfig(ratio=0.5, compensator="scaled-procrustes"), "family"),
+    "mha-mlp-only": (STORIES_MHA, PruneConfig(ratio=0.3, prune=("mlp",), compensate=("mlp",)), "family"),
 }
 
 
@@ -51,16 +54,15 @@ def test_from_pretrained_loads_the_saved_model_bit_exactly(tmp_path, case):
     manifest = save_pruned(model, tmp_path / "m", tokenizer=tokenizer, method=config.to_dict())
     assert manifest["config"] == kind
     saved = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert saved["model_type"] == kind and ("auto_map" in saved) == (kind == "rcpu_llama")
+    assert saved["model_type"] == {"family": "llama", "per_layer": "rcpu_pruned"}[kind]
+    assert ("auto_map" in saved) == (kind == "per_layer")
     loaded = from_pretrained(tmp_path / "m")
-    if kind == "rcpu_llama":  # built by the source written into the directory, not by this package
-        assert type(loaded).__module__.startswith("transformers_modules.")
+    if kind == "per_layer":  # built by this package's registered classes: the family's own model class
+        assert type(loaded).__module__ == "rcpu_bench.model.hf_format.modeling_rcpu_pruned"
+        assert isinstance(loaded, LlamaForCausalLM)
         assert len({geo.intermediate for geo in layer_geometries(model)}) > 1 or "uniform" in case
     else:
         assert type(loaded) is LlamaForCausalLM
-        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()  # no remote code at all
-        assert torch.equal(logits(plain, tokenizer(PROMPT, return_tensors="pt").input_ids),
-                           logits(model, tokenizer(PROMPT, return_tensors="pt").input_ids))
     ids = torch.randint(3, 512, (3, 40), generator=torch.Generator().manual_seed(5))
     assert torch.equal(logits(loaded, ids), logits(model, ids))
     assert parameter_count(loaded) == parameter_count(model) == manifest["parameter_count"]
@@ -78,7 +80,7 @@ def pruned_tiny_biased(tie=True):
 @pytest.mark.parametrize("tie", [True, False])
 def test_tiny_per_layer_widths_and_biases_load_bit_exactly(tmp_path, tie):
     model = pruned_tiny_biased(tie)
-    assert save_pruned(model, tmp_path / "m")["config"] == "rcpu_llama"
+    assert save_pruned(model, tmp_path / "m")["config"] == "per_layer"
     loaded = from_pretrained(tmp_path / "m")
     ids = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits(loaded, ids), logits(model, ids))
@@ -89,7 +91,7 @@ def test_tiny_per_layer_widths_and_biases_load_bit_exactly(tmp_path, tie):
     configs = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("m", "again")]
     for config in configs:
         for key in ("dtype", "torch_dtype"):  # the reloaded model's config records the dtype it was loaded in
-            config.pop(key, None)
+            config["base_config"].pop(key, None)
     assert configs[0] == configs[1]
 
 
@@ -105,7 +107,7 @@ def test_remote_code_model_generates_and_survives_save_pretrained(tmp_path):
         assert torch.equal(generated, model.generate(prompt, **settings))
     assert generated.shape[1] > prompt.shape[1]
     loaded.save_pretrained(tmp_path / "again")
-    assert (tmp_path / "again" / "modeling_rcpu_llama.py").is_file()
+    assert (tmp_path / "again" / "modeling_rcpu_pruned.py").is_file()
     again = from_pretrained(tmp_path / "again")
     assert torch.equal(logits(again, generated), logits(model, generated))
 
@@ -165,4 +167,4 @@ def test_model_card_states_method_calibration_parameters_and_perplexity(tmp_path
         assert text in card, text
     save_pruned(model, tmp_path / "bare")
     assert "Not recorded" in (tmp_path / "bare" / CARD).read_text()
-    assert json.loads((tmp_path / "m" / MANIFEST).read_text())["config"] == "rcpu_llama"
+    assert json.loads((tmp_path / "m" / MANIFEST).read_text())["config"] == "per_layer"

@@ -14,8 +14,8 @@ from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_model, parameter_count
 from rcpu_bench.model.persistence import MANIFEST, load_pruned, read_manifest, save_pruned
 
-REMOTE_CODE_FILES = ["README.md", "config.json", "configuration_rcpu_llama.py", "model.safetensors",
-                     "modeling_rcpu_llama.py", MANIFEST]
+REMOTE_CODE_FILES = ["README.md", "config.json", "configuration_rcpu_pruned.py", "model.safetensors",
+                     "modeling_rcpu_pruned.py", MANIFEST]
 
 
 def pruned_tiny(tie=True, rule="groups"):
@@ -50,18 +50,20 @@ def test_round_trip_gives_identical_logits_and_counts(tmp_path, tie, rule):
 def test_manifest_records_each_layer(tmp_path):
     model = pruned_tiny()
     manifest = save_pruned(model, tmp_path / "m")
-    assert manifest["format_version"] == 2 and manifest["config"] == "rcpu_llama" and len(manifest["layers"]) == 3
+    assert manifest["format_version"] == 3 and manifest["config"] == "per_layer" and len(manifest["layers"]) == 3
     for record, geo, layer in zip(manifest["layers"], layer_geometries(model), model.model.layers):
         assert (record["n_heads"], record["n_kv_heads"], record["intermediate"]) == (geo.n_heads, geo.n_kv_heads,
                                                                                      geo.intermediate)
         assert record["n_heads"] * 6 == layer.self_attn.o_proj.in_features
         assert record["o_proj_bias"] and record["down_proj_bias"]
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert (config["num_attention_heads"], config["intermediate_size"], config["head_dim"]) == (6, 20, 6)
+    base = config["base_config"]  # the family's config, unpruned counts, explicit head_dim
+    assert (base["model_type"], base["num_attention_heads"], base["intermediate_size"], base["head_dim"]) == (
+        "llama", 6, 20, 6)
     heads = [layer.self_attn.q_proj.out_features // 6 for layer in model.model.layers]
     assert config["layer_num_attention_heads"] == heads
     assert config["layer_intermediate_sizes"] == [layer.mlp.gate_proj.out_features for layer in model.model.layers]
-    assert config["layer_o_proj_bias"] == config["layer_down_proj_bias"] == [True] * 3
+    assert config["layer_added_biases"] == [["mlp.down_proj", "self_attn.o_proj"]] * 3
 
 
 def test_load_pruned_in_float64(tmp_path):
@@ -104,7 +106,7 @@ def test_missing_manifest_and_unknown_version(tmp_path):
     path = tmp_path / "m" / MANIFEST
     manifest = json.loads(path.read_text())
     path.write_text(json.dumps({**manifest, "format_version": 99}))
-    with pytest.raises(ValueError, match="version 99; supported: 'rcpu-bench-pruned' version 1, 2"):
+    with pytest.raises(ValueError, match="version 99; supported: 'rcpu-bench-pruned' version 1, 2, 3"):
         load_pruned(tmp_path / "m")
 
 
@@ -129,11 +131,12 @@ def test_corrupt_format_1_manifests_are_rejected(tmp_path, edit, message):
 @pytest.mark.parametrize("edit, message", [
     (lambda m, c: m["layers"][0].update(n_heads=2), "layer 0 is .* but the config builds"),
     (lambda m, c: c["layer_intermediate_sizes"].__setitem__(1, 3), "layer 1 is .* but the config builds"),
-    (lambda m, c: c["layer_o_proj_bias"].__setitem__(2, False), "layer 2 is .* but the config builds"),
+    (lambda m, c: c["layer_added_biases"].__setitem__(2, []), "layer 2 is .* but the config builds"),
     (lambda m, c: c["layer_num_key_value_heads"].pop(), "layer_num_key_value_heads has 2 entries"),
-    (lambda m, c: m.update(config="gpt2"), "config 'gpt2'; allowed: llama, rcpu_llama, original"),
+    (lambda m, c: m.update(config="gpt2"), "config 'gpt2'; allowed: family, per_layer, llama, rcpu_llama, original"),
+    (lambda m, c: m.update(config="family"), "says config 'family' but config.json is a RcpuPrunedConfig"),
 ])
-def test_corrupt_format_2_directories_are_rejected(tmp_path, edit, message):
+def test_corrupt_format_3_directories_are_rejected(tmp_path, edit, message):
     save_pruned(pruned_tiny(), tmp_path / "m")
     manifest, config = (json.loads((tmp_path / "m" / name).read_text()) for name in (MANIFEST, "config.json"))
     edit(manifest, config)

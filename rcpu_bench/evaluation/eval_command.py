@@ -103,11 +103,11 @@ def pruned_directory(name: str) -> Path | None:
     return path if (path / MANIFEST).is_file() else None
 
 
-def check_model_argument(name: str, revision: str | None) -> None:
+def check_model_argument(name: str, revision: str | None, trust_remote_code: bool = False) -> None:
     """Reject a missing path, a pruned directory without tokenizer, or an unsupported model, before loading."""
     directory = pruned_directory(model_source(name))
     if directory is None:
-        load_config(name, revision)
+        load_config(name, revision, trust_remote_code=trust_remote_code)
         return
     read_manifest(directory)
     if not (directory / "tokenizer_config.json").is_file():
@@ -120,15 +120,17 @@ def check_models(names: list[str], args: argparse.Namespace) -> None:
     resolve_dtype(args.dtype)
     resolve_device(args.device)
     for name in names:
-        check_model_argument(name, args.revision)
+        check_model_argument(name, args.revision, args.trust_remote_code)
 
 
-def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str) -> LoadedModel:
-    """``load_saved`` for a directory written by save_pruned (or a model method), else ``load_model``."""
+def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str,
+                        trust_remote_code: bool = False) -> LoadedModel:
+    """``load_saved`` for a directory written by save_pruned (or a model method), else ``load_model``; code shipped
+    with the model runs only with ``trust_remote_code``."""
     directory = pruned_directory(name)
     if directory is not None:
-        return load_saved(directory, dtype=dtype, device=device)
-    return load_model(name, dtype=dtype, device=device, revision=revision)
+        return load_saved(directory, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    return load_model(name, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -143,7 +145,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"rcpu-bench: error: {error}", file=sys.stderr)
         return 2
-    loaded = load_saved_or_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device)
+    loaded = load_saved_or_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device,
+                                 trust_remote_code=args.trust_remote_code)
     result = run_zeroshot(loaded.model, loaded.tokenizer, plan, log_samples=args.log_samples,
                           output_path=args.output_path, model_name=args.model)
     print(format_table(result))

@@ -79,7 +79,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"rcpu-bench: error: {error}", file=sys.stderr)
         return 2
-    models = [load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device)
+    models = [load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device,
+                                  trust_remote_code=args.trust_remote_code)
               for name in names]
     width = max(len(name) for name in names)
     for prompt in args.prompt or [SAMPLE_PROMPT]:

@@ -125,7 +125,8 @@ def cmd_speed(args: argparse.Namespace) -> int:
         return 2
     rows = []
     for name in names:
-        model = load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device).model
+        model = load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device,
+                                    trust_remote_code=args.trust_remote_code).model
         try:
             speed = inference_speed(model, batch_size=args.eval_batch_size, prompt_tokens=args.prompt_tokens,
                                     new_tokens=args.new_tokens, repeats=args.repeats)

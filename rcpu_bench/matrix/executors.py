@@ -83,14 +83,16 @@ class ModelCache:
             self._key, self._dense = None, None
 
     def load(self, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
-             revision: str | None = None) -> LoadedModel:
+             revision: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
         """A copy of the dense model on ``device``: load_model's signature, for ``run_experiment(load=...)``."""
         if not self.keep_dense:
-            return load_model(name_or_path, dtype=dtype, device=device, revision=revision)
-        key = (name_or_path, revision, dtype)
+            return load_model(name_or_path, dtype=dtype, device=device, revision=revision,
+                              trust_remote_code=trust_remote_code)
+        key = (name_or_path, revision, dtype, trust_remote_code)
         if key != self._key:
             self._key, self._dense = None, None  # free the previous model before reading the next
-            self._dense = load_model(name_or_path, dtype=dtype, device="cpu", revision=revision)
+            self._dense = load_model(name_or_path, dtype=dtype, device="cpu", revision=revision,
+                                     trust_remote_code=trust_remote_code)
             self._key = key
         return LoadedModel(clone_to(self._dense.model, device), self._dense.tokenizer,
                            {**self._dense.provenance, "device": device})

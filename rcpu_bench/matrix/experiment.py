@@ -46,6 +46,7 @@ class Experiment:
     calib: str = DEFAULT_CALIB
     ppl_profiles: tuple[str, ...] = ("rcpu128",)
     revision: str | None = None
+    trust_remote_code: bool = False
     dtype: str = "float32"
     device: str = "cpu"
     eval_batch_size: int = 8
@@ -57,7 +58,7 @@ class Experiment:
         self.prune.validate(registry)
         resolve_dtype(self.dtype)
         resolve_device(self.device)
-        config, _ = load_config(self.model, self.revision)
+        config, _ = load_config(self.model, self.revision, trust_remote_code=self.trust_remote_code)
         spec = data.parse_calib(self.calib)
         if spec.seqlen > config.max_position_embeddings:
             raise ValueError(f"calibration seqlen {spec.seqlen} exceeds the model's max_position_embeddings "
@@ -92,7 +93,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     started = time.perf_counter()
     # With offloading the model stays in CPU memory and each layer visits the device while it is pruned.
     home = "cpu" if experiment.prune.offload else experiment.device
-    loaded = load(experiment.model, dtype=experiment.dtype, device=home, revision=experiment.revision)
+    loaded = load(experiment.model, dtype=experiment.dtype, device=home, revision=experiment.revision,
+                  trust_remote_code=experiment.trust_remote_code)
     model, tokenizer = loaded.model, loaded.tokenizer
     calib = data.calibration_data(experiment.calib, tokenizer, data_dir=experiment.data_dir,
                                   max_positions=model.config.max_position_embeddings)

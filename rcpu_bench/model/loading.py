@@ -52,8 +52,12 @@ def dtype_argument(dtype: torch.dtype) -> dict[str, torch.dtype]:
 
 
 def add_model_options(parser: Any) -> None:
-    """The ``--revision``, ``--dtype`` and ``--device`` options every command that loads a model takes."""
+    """The ``--revision``, ``--dtype``, ``--device`` and ``--trust-remote-code`` options every command that loads a
+    model takes."""
     parser.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run Python code shipped with the model (transformers' trust_remote_code); without it "
+                             "such a model is refused with an error, never prompted for")
     parser.add_argument("--dtype", default="float32", help=f"model dtype: {', '.join(DTYPES)} (the paper uses float32)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
 
@@ -91,41 +95,47 @@ def model_source(name_or_path: str) -> str:
     return name_or_path
 
 
-def _check_supported(config: PretrainedConfig) -> None:
+def _check_supported(config: PretrainedConfig, trust_remote_code: bool) -> None:
     """Build a weightless (meta) skeleton of ``config``'s causal LM and check its shape."""
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     try:
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError:
         raise ValueError(f"unsupported architecture {architecture}: no causal-LM model for this config; "
                          f"supported: {supported()}") from None
     check_architecture(skeleton)
 
 
-def load_config(name_or_path: str, revision: str | None = None) -> tuple[PretrainedConfig, str | None]:
-    """The model's config, checked on a weightless skeleton, and the Hub commit it came from (None if local)."""
+def load_config(name_or_path: str, revision: str | None = None, *,
+                trust_remote_code: bool = False) -> tuple[PretrainedConfig, str | None]:
+    """The model's config, checked on a weightless skeleton, and the Hub commit it came from (None if local).
+
+    Code shipped with the model runs only with ``trust_remote_code``; without it such a model raises ValueError
+    (transformers' own message), never a prompt. rcpu-bench's per-layer saved format needs none.
+    """
     source = model_source(name_or_path)
     commit = extract_commit_hash(cached_file(source, "config.json", revision=revision), None)
-    config = AutoConfig.from_pretrained(source, revision=commit or revision)
-    _check_supported(config)
+    config = AutoConfig.from_pretrained(source, revision=commit or revision, trust_remote_code=trust_remote_code)
+    _check_supported(config, trust_remote_code)
     return config, commit
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
-               revision: str | None = None) -> LoadedModel:
+               revision: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load a supported causal LM and its tokenizer, in eval mode, with provenance.
 
     ``name_or_path`` is a local directory or a Hub repo id (``revision`` may pin a branch, tag or
-    commit). The architecture is checked on a weightless skeleton before any weights are read.
+    commit). The architecture is checked on a weightless skeleton before any weights are read. Code shipped
+    with the model runs only with ``trust_remote_code`` (see ``load_config``).
     """
     torch_dtype, torch_device, source = resolve_dtype(dtype), resolve_device(device), model_source(name_or_path)
-    config, commit = load_config(name_or_path, revision)
+    config, commit = load_config(name_or_path, revision, trust_remote_code=trust_remote_code)
     pinned = commit or revision  # config, weights and tokenizer all from the same commit
     model = AutoModelForCausalLM.from_pretrained(source, config=config, revision=pinned,
-                                                 **dtype_argument(torch_dtype))
+                                                 trust_remote_code=trust_remote_code, **dtype_argument(torch_dtype))
     model = model.to(torch_device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source, revision=pinned)
+    tokenizer = AutoTokenizer.from_pretrained(source, revision=pinned, trust_remote_code=trust_remote_code)
     provenance = {"name_or_path": name_or_path, "revision": revision, "commit_hash": commit,
                   "dtype": dtype, "device": device, "config_class": type(config).__name__,
                   "model_class": type(model).__name__}

@@ -64,6 +64,7 @@ def build_manifest(model: PreTrainedModel, method: dict | None = None, provenanc
                    config_kind: str = "original") -> dict:
     """The manifest describing ``model``'s pruned shape and the kind of config.json saved with it."""
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "weights": WEIGHTS, "config": config_kind,
+            "model_type": model.config.model_type,
             "parameter_count": parameter_count(model), "layers": layer_records(model),
             "method": method or {}, "provenance": provenance or {}, "saved_with": library_versions()}
 
@@ -77,13 +78,17 @@ def model_card(manifest: dict, record: dict | None = None) -> str:
     record = record or {}
     method = manifest["method"]
     source = manifest["provenance"].get("name_or_path", "not recorded")
-    loading = {"family": "`AutoModelForCausalLM.from_pretrained(directory)`, with no remote code: config.json is the "
-                         "model family's own config with the pruned head and channel counts",
-               "per_layer": "`AutoModelForCausalLM.from_pretrained(directory)` after `import rcpu_bench` (which "
-                            "registers the per-layer format), or with `trust_remote_code=True` without rcpu-bench: the layers "
-                            "have their own widths (or biases the family's config cannot express), which the family's "
-                            "own config cannot describe, so config.json is an `RcpuPrunedConfig` built by "
-                            "`modeling_rcpu_pruned.py` in this directory"}
+    family = manifest.get("model_type")
+    loading = {"family": [f"`family`: config.json is the model family's own config (model_type `{family}`) with the "
+                          "pruned head and channel counts, because every layer was pruned alike.",
+                          "Load with `AutoModelForCausalLM.from_pretrained(directory)`: no remote code."],
+               "per_layer": ["`per_layer`: the layers have their own widths (or a bias the family lacks), which the "
+                             "family's own config cannot describe, so config.json is an `RcpuPrunedConfig`: the "
+                             f"family's config (model_type `{family}`) plus per-layer counts.",
+                             "Load with `AutoModelForCausalLM.from_pretrained(directory)` after `import rcpu_bench` "
+                             "(which registers the format: no remote code, no prompt), or without rcpu-bench with "
+                             "`trust_remote_code=True` (transformers runs `modeling_rcpu_pruned.py` from this "
+                             "directory)."]}
     lines = ["# Pruned model (rcpu-bench)", "", f"Pruned from `{source}` by rcpu-bench.", "",
              "| | |", "|---|---|"]
     named = [("model method", "model_method"), ("scorer", "scorer"), ("compensator", "compensator"),
@@ -101,9 +106,10 @@ def model_card(manifest: dict, record: dict | None = None) -> str:
                   for p in ppl]
     else:
         lines.append("Not recorded (saved without an experiment record).")
-    lines += ["", "## Loading", "", (f"Format: `{manifest['config']}`. Load with {loading[manifest['config']]}, "
-                                      "or with `rcpu_bench.model.persistence.load_pruned(directory)`. Per-layer shapes and "
-                                      f"provenance: `{MANIFEST}`."), ""]
+    lines += ["", "## Format and loading", "", *loading[manifest["config"]], "",
+              "Also `rcpu_bench.model.persistence.load_pruned(directory)`. Per-layer shapes and provenance: "
+              f"`{MANIFEST}`.",
+              ""]
     return "\n".join(lines)
 
 

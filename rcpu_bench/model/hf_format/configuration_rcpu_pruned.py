@@ -54,5 +54,5 @@ class RcpuPrunedConfig(PretrainedConfig):
         """The per-layer config of a model of ``family_config`` (its per-layer lists, if any, replaced by
         ``per_layer``: lists named as ``PER_LAYER``)."""
         base = {k: v for k, v in family_config.to_dict().items()
-                if k not in (*PER_LAYER, "architectures", "auto_map", "transformers_version")}
+                if k not in (*PER_LAYER, "architectures", "auto_map", "transformers_version", "_name_or_path")}
         return cls(base_config=base, **per_layer)
