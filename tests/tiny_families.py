@@ -1,7 +1,8 @@
 """Tiny random-init models of each family rcpu-bench prunes, built offline from transformers' own config classes.
 
-Two layers, GQA (8 query heads over 4 key/value heads), and non-trivial biases and norm weights: every 1-D
-parameter is perturbed after init, so a bias or norm lost on a round trip changes the logits.
+Two layers, GQA (8 query heads over 4 key/value heads), the stories260K fixture's vocabulary size (512, so that
+its tokenizer serves them), and non-trivial biases and norm weights: every 1-D parameter is perturbed after
+init, so a bias or norm lost on a round trip changes the logits.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from transformers import (
     Qwen3Config,
 )
 
-COMMON = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 2,
-          "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 64,
+COMMON = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 2,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 256,
           "initializer_range": 0.3, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 FAMILIES = {  # name: (config class, the family's shape features)

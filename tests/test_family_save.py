@@ -1,0 +1,130 @@
+"""Saving pruned models of every family: uniform layers save with the family's own config (no remote code), per-layer
+widths with the per-layer format; both reload with plain ``from_pretrained`` bit-exactly, in this process and in
+a fresh one, generate, and run as matrix cells. Families: tests/tiny_families.py."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_families import FAMILIES, family_model
+from tiny_matrices import tiny_raw, write_matrix
+from tiny_models import STORIES, logits, needs_stories
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rcpu_bench.cli import main
+from rcpu_bench.evaluation.generation import greedy_continuation
+from rcpu_bench.matrix.store import Store
+from rcpu_bench.model.adapter import layer_geometries
+from rcpu_bench.model.loading import parameter_count
+from rcpu_bench.model.persistence import load_pruned, save_pruned
+from rcpu_bench.pruning.options import PruneConfig
+from rcpu_bench.pruning.pipeline import prune_model
+
+STRUCTURES = {  # name: (prune config, the config kind saved)
+    "uniform": (PruneConfig(ratio=0.5), "family"),
+    "al-am": (PruneConfig(scorer="flap-wifv", compensator="flap-bias", structure="al-am", statistics="one-shot",
+                          ratio=0.3), "per_layer"),
+}
+
+
+def ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 512, (4, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def pruned_family(name: str, structure: str):
+    model = family_model(name)
+    prune_model(model, ids(1), STRUCTURES[structure][0], progress=False)
+    return model
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_saved_family_loads_with_plain_from_pretrained_bit_exactly(tmp_path, name, structure):
+    model = pruned_family(name, structure)
+    kind = STRUCTURES[structure][1]
+    assert save_pruned(model, tmp_path / "m")["config"] == kind
+    saved = json.loads((tmp_path / "m" / "config.json").read_text())
+    geometries = layer_geometries(model)
+    if kind == "family":  # the family's own config with the pruned counts
+        assert saved["model_type"] == model.config.model_type and "auto_map" not in saved
+        first = geometries[0]
+        assert (saved["num_attention_heads"], saved["num_key_value_heads"], saved["intermediate_size"],
+                saved["head_dim"]) == (first.n_heads, first.n_kv_heads, first.intermediate, first.head_dim)
+    else:
+        assert saved["base_config"]["model_type"] == model.config.model_type
+        assert saved["layer_num_attention_heads"] == [geometry.n_heads for geometry in geometries]
+        assert saved["layer_intermediate_sizes"] == [geometry.intermediate for geometry in geometries]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=False).eval()
+    assert isinstance(loaded, type(model))  # the family's own class (for per_layer, a subclass of it)
+    assert torch.equal(logits(loaded, ids()), logits(model, ids()))
+    assert parameter_count(loaded) == parameter_count(model)
+    assert layer_geometries(loaded) == geometries
+    assert torch.equal(logits(load_pruned(tmp_path / "m").model, ids()), logits(model, ids()))
+
+
+FRESH_PROCESS = """
+import json, sys, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM
+cases = json.loads(Path(sys.argv[1]).read_text())
+def run(directory, **kwargs):
+    model = AutoModelForCausalLM.from_pretrained(directory, **kwargs).eval()
+    with torch.no_grad():
+        return model(torch.load(Path(directory) / "ids.pt")).logits
+for directory, kind in cases.items():  # uniform: no remote code at all; per_layer: the source saved beside it
+    trust = {"trust_remote_code": True} if kind == "per_layer" else {}
+    torch.save(run(directory, **trust), Path(directory) / "stock.pt")
+assert not any(name.startswith("rcpu_bench") for name in sys.modules), "rcpu_bench was imported"
+import rcpu_bench  # registers the per-layer format: plain from_pretrained, no remote code
+for directory, kind in cases.items():
+    torch.save(run(directory, trust_remote_code=False), Path(directory) / "registered.pt")
+"""
+
+
+@pytest.mark.slow
+def test_every_family_reloads_bit_exactly_in_a_fresh_process(tmp_path):
+    cases, expected = {}, {}
+    for name in FAMILIES:
+        for structure, (_, kind) in STRUCTURES.items():
+            directory = tmp_path / f"{name}-{structure}"
+            model = pruned_family(name, structure)
+            save_pruned(model, directory)
+            torch.save(ids(2), directory / "ids.pt")
+            cases[str(directory)], expected[str(directory)] = kind, logits(model, ids(2))
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}  # no PYTHONPATH, fresh caches
+    subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(tmp_path / "cases.json")], env=env, check=True,
+                   cwd=tmp_path, timeout=600)
+    for directory, reference in expected.items():
+        for result in ("stock.pt", "registered.pt"):
+            assert torch.equal(torch.load(f"{directory}/{result}"), reference), (directory, result)
+
+
+@needs_stories
+@pytest.mark.parametrize("name, structure", [("qwen2", "al-am"), ("gemma2", "uniform"), ("mistral", "al-am")])
+def test_generate_command_on_a_saved_family_model(tmp_path, capsys, name, structure):
+    model, tokenizer = pruned_family(name, structure), AutoTokenizer.from_pretrained(STORIES)
+    save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", "Once upon a", "--max-new-tokens", "8"]) == 0
+    text = greedy_continuation(model, tokenizer, "Once upon a", 8)
+    assert capsys.readouterr().out.split("\n")[1] == f"  {tmp_path / 'm'} | Once upon a{text}".rstrip()
+
+
+@pytest.mark.slow
+@needs_stories
+def test_one_matrix_cell_per_family_through_rcpu_bench_run(tmp_path):
+    tokenizer, models = AutoTokenizer.from_pretrained(STORIES), []
+    for name in FAMILIES:
+        family_model(name).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        models.append({"model": str(tmp_path / name), "label": name})
+    matrix = write_matrix(tmp_path / "families.yaml", tiny_raw(["wanda-sp"], name="families", models=models))
+    assert main(["run", "--matrix", str(matrix), "--results", str(tmp_path / "results"), "--quiet"]) == 0
+    entries = Store(tmp_path / "results").entries()
+    assert sorted(entry["cell"]["model_label"] for entry in entries) == sorted(FAMILIES)
+    for entry in entries:
+        assert entry["status"] == "ok", entry["error"]
+        assert entry["record"]["parameters"]["removed_fraction"] > 0
+        assert all(torch.isfinite(torch.tensor(p["ppl"])) for p in entry["record"]["perplexity"])
