@@ -128,3 +128,56 @@ def test_one_matrix_cell_per_family_through_rcpu_bench_run(tmp_path):
         assert entry["status"] == "ok", entry["error"]
         assert entry["record"]["parameters"]["removed_fraction"] > 0
         assert all(torch.isfinite(torch.tensor(p["ppl"])) for p in entry["record"]["perplexity"])
+
+
+STOCK_TASK = """task: stock_piqa
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{query}}}}"
+doc_to_target: gold
+doc_to_choice: choices
+metric_list:
+  - metric: acc
+"""
+STOCK_LM_EVAL = """
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+directory, trust, include = sys.argv[1:]
+result = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={directory},trust_remote_code={trust},dtype=float32",
+                                 tasks=["stock_piqa"], limit=8, batch_size=4, device="cpu", bootstrap_iters=0,
+                                 task_manager=TaskManager(include_path=include, include_defaults=False))
+assert not any(name.startswith("rcpu_bench") for name in sys.modules), "rcpu_bench was imported"
+print(json.dumps(result["results"]["stock_piqa"]["acc,none"]))
+"""
+
+
+@pytest.mark.slow
+@needs_stories
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_stock_lm_eval_in_a_process_without_rcpu_bench(tmp_path, structure):
+    """lm-eval's own ``--model hf`` on a task of its own format (the shared PIQA jsonl): the family config loads
+    with no remote code, the per-layer format with trust_remote_code (rcpu_bench is not there to register it)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    data = STORIES.parent.parent / "data" / "zeroshot" / "mosaic_icl" / "piqa.jsonl"
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "stock_piqa.yaml").write_text(STOCK_TASK.format(data=data))
+    model, tokenizer = pruned_family("qwen2", structure), AutoTokenizer.from_pretrained(STORIES)
+    save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
+    trust = STRUCTURES[structure][1] == "per_layer"
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HOME": str(tmp_path)}
+    stock = subprocess.run([sys.executable, "-c", STOCK_LM_EVAL, str(tmp_path / "m"), str(trust),
+                            str(tmp_path / "tasks")], env=env, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600)
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    in_memory = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4), tasks=["stock_piqa"],
+                                limit=8, bootstrap_iters=0,
+                                task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False))
+    assert json.loads(stock.stdout.strip().splitlines()[-1]) == in_memory["results"]["stock_piqa"]["acc,none"]

@@ -12,6 +12,7 @@ import torch
 from tiny_models import STORIES, STORIES_MHA, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from rcpu_bench.cli import main
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_model, parameter_count
 from rcpu_bench.model.persistence import CARD, MANIFEST, load_pruned, save_pruned
@@ -133,19 +134,23 @@ def test_loads_in_a_process_without_rcpu_bench(tmp_path):
 
 @pytest.mark.slow
 @needs_stories
-def test_stock_lm_eval_hf_model_matches_the_in_memory_model(tmp_path):
+@pytest.mark.parametrize("case", ["gqa-uniform-4-heads", "gqa-al-am-flap-bias"])
+def test_stock_lm_eval_hf_model_matches_the_in_memory_model(tmp_path, case):
+    """lm-eval's own hf model reading the directory, in this process (without rcpu_bench, in a fresh process:
+    test_family_save.py)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    model, tokenizer = pruned_stories(STORIES, CASES["gqa-al-am-flap-bias"][1])
-    save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
+    model, tokenizer = pruned_stories(STORIES, CASES[case][1])
+    assert save_pruned(model, tmp_path / "m", tokenizer=tokenizer)["config"] == CASES[case][2]
+    trust = CASES[case][2] == "per_layer"
     settings = {"tasks": ["rcpu_piqa"], "limit": 12, "num_fewshot": 0, "bootstrap_iters": 0, "log_samples": False}
     in_memory = lm_eval.simple_evaluate(
         model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4),
         task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False), **settings)
     stock = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={tmp_path / 'm'},trust_remote_code=True,dtype=float32", batch_size=4,
+        model="hf", model_args=f"pretrained={tmp_path / 'm'},trust_remote_code={trust},dtype=float32", batch_size=4,
         device="cpu", task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False), **settings)
     ours, theirs = in_memory["results"]["rcpu_piqa"], stock["results"]["rcpu_piqa"]
     assert theirs["acc,none"] == ours["acc,none"] and theirs["acc_norm,none"] == ours["acc_norm,none"]
@@ -168,3 +173,67 @@ def test_model_card_states_method_calibration_parameters_and_perplexity(tmp_path
     save_pruned(model, tmp_path / "bare")
     assert "Not recorded" in (tmp_path / "bare" / CARD).read_text()
     assert json.loads((tmp_path / "m" / MANIFEST).read_text())["config"] == "per_layer"
+
+
+EVIL_CONFIG = """from pathlib import Path
+from transformers import LlamaConfig
+Path({marker!r}).write_text("ran")
+class EvilConfig(LlamaConfig):
+    model_type = "evil_llama"
+"""
+EVIL_MODEL = """from transformers import LlamaForCausalLM
+from .configuration_evil import EvilConfig
+class EvilForCausalLM(LlamaForCausalLM):
+    config_class = EvilConfig
+"""
+
+
+@needs_stories
+def test_code_in_a_saved_directory_runs_only_with_trust_remote_code(tmp_path, capsys):
+    model, tokenizer = pruned_stories(STORIES, CASES["gqa-uniform-4-heads"][1])
+    save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
+    marker = tmp_path / "marker"
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.update(model_type="evil_llama", auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                                                     "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "m" / "configuration_evil.py").write_text(EVIL_CONFIG.format(marker=str(marker)))
+    (tmp_path / "m" / "modeling_evil.py").write_text(EVIL_MODEL)
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        load_pruned(tmp_path / "m")
+    argv = ["generate", "--model", str(tmp_path / "m"), "--max-new-tokens", "2"]
+    assert main(argv) == 2  # a one-line error before loading, no prompt
+    assert "rcpu-bench: error:" in capsys.readouterr().err and not marker.exists()
+    assert main([*argv, "--trust-remote-code"]) == 0 and marker.read_text() == "ran"
+
+
+@needs_stories
+def test_saved_tokenizer_files_name_no_remote_code(tmp_path):
+    model, tokenizer = pruned_stories(STORIES, CASES["gqa-uniform-4-heads"][1])
+    tokenizer.init_kwargs["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    tokenizer.save_pretrained(tmp_path / "plain")
+    assert "auto_map" in json.loads((tmp_path / "plain" / "tokenizer_config.json").read_text())  # the premise
+    save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
+    assert "auto_map" not in json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    assert load_pruned(tmp_path / "m").tokenizer(PROMPT).input_ids == tokenizer(PROMPT).input_ids
+
+
+def test_format_2_per_layer_directories_still_load(tmp_path):
+    """Format 2 wrote the Llama-only RcpuLlamaConfig: the Llama config flat, plus per-layer lists and bias flags."""
+    model = pruned_tiny_biased()
+    save_pruned(model, tmp_path / "m")
+    for name in ("configuration_rcpu_pruned.py", "modeling_rcpu_pruned.py"):
+        (tmp_path / "m" / name).unlink()
+    saved = json.loads((tmp_path / "m" / "config.json").read_text())
+    base = saved.pop("base_config")
+    biases = saved.pop("layer_added_biases")
+    format_2 = {**base, **saved, "model_type": "rcpu_llama", "architectures": ["RcpuLlamaForCausalLM"],
+                "auto_map": {"AutoConfig": "configuration_rcpu_llama.RcpuLlamaConfig",
+                             "AutoModelForCausalLM": "modeling_rcpu_llama.RcpuLlamaForCausalLM"},
+                "layer_o_proj_bias": ["self_attn.o_proj" in names for names in biases],
+                "layer_down_proj_bias": ["mlp.down_proj" in names for names in biases]}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(format_2))
+    manifest = json.loads((tmp_path / "m" / MANIFEST).read_text())
+    (tmp_path / "m" / MANIFEST).write_text(json.dumps({**manifest, "format_version": 2, "config": "rcpu_llama"}))
+    ids = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(load_pruned(tmp_path / "m").model, ids), logits(model, ids))

@@ -24,7 +24,7 @@ from rcpu_bench.model.loading import (
     resolve_device,
     resolve_dtype,
 )
-from rcpu_bench.model.persistence import MANIFEST, load_saved, read_manifest
+from rcpu_bench.model.persistence import MANIFEST, load_saved, read_manifest, read_saved_config
 
 
 def _with_stderr(task: dict[str, Any], stat: str) -> str:
@@ -109,7 +109,7 @@ def check_model_argument(name: str, revision: str | None, trust_remote_code: boo
     if directory is None:
         load_config(name, revision, trust_remote_code=trust_remote_code)
         return
-    read_manifest(directory)
+    read_saved_config(directory, read_manifest(directory), trust_remote_code=trust_remote_code)
     if not (directory / "tokenizer_config.json").is_file():
         raise ValueError(f"{directory} has no tokenizer (save_pruned was called without one)")
 

@@ -299,7 +299,7 @@ def _reshape_layer(view: LayerView, record: dict[str, Any]) -> None:
 
 
 def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtype: torch.dtype, *,
-                   reshape: bool) -> PreTrainedModel:
+                   reshape: bool, trust_remote_code: bool = False) -> PreTrainedModel:
     """A weightless (meta) model of ``config`` whose layers must have the shapes in ``records``.
 
     ``reshape``: ``config`` is the unpruned one (format 1, or a non-Llama model), so each layer is first
@@ -307,7 +307,7 @@ def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtyp
     layers are checked against ``records``.
     """
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, **dtype_argument(dtype))
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **dtype_argument(dtype))
     layers = model_view(model).views()
     if len(records) != len(layers):
         raise ValueError(f"{MANIFEST} describes {len(records)} layers but the config has {len(layers)}")
@@ -333,6 +333,17 @@ def load_pruned(directory: str | os.PathLike, *, dtype: str = "float32", device:
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
+    config = read_saved_config(directory, manifest, trust_remote_code=trust_remote_code)
+    kind = manifest.get("config", "original")
+    model = build_skeleton(config, manifest["layers"], resolve_dtype(dtype), reshape=kind == "original",
+                           trust_remote_code=trust_remote_code)
+    return materialize(model, directory, manifest["weights"], manifest["parameter_count"], dtype=dtype, device=device,
+                       method=manifest["method"], source=manifest["provenance"])
+
+
+def read_saved_config(directory: Path, manifest: dict, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The config.json of a ``save_pruned`` directory, of the kind its manifest names; code from the directory
+    runs only with ``trust_remote_code`` (else transformers raises), and never for the per-layer format."""
     kind = manifest.get("config", "original")  # format 1 saved the original config
     if kind not in CONFIG_KINDS:
         raise ValueError(f"{directory / MANIFEST} has config {kind!r}; allowed: {', '.join(CONFIG_KINDS)}")
@@ -340,11 +351,9 @@ def load_pruned(directory: str | os.PathLike, *, dtype: str = "float32", device:
         config = format_2_per_layer_config(json.loads((directory / "config.json").read_text()))
     else:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code and kind != "per_layer")
-    if (kind == "per_layer") != isinstance(config, RcpuPrunedConfig):
+    if (kind in ("per_layer", "rcpu_llama")) != isinstance(config, RcpuPrunedConfig):
         raise ValueError(f"{directory / MANIFEST} says config {kind!r} but config.json is a {type(config).__name__}")
-    model = build_skeleton(config, manifest["layers"], resolve_dtype(dtype), reshape=kind == "original")
-    return materialize(model, directory, manifest["weights"], manifest["parameter_count"], dtype=dtype, device=device,
-                       method=manifest["method"], source=manifest["provenance"])
+    return config
 
 
 def format_2_per_layer_config(saved: dict[str, Any]) -> RcpuPrunedConfig:
