@@ -148,7 +148,8 @@ import json, sys
 import lm_eval
 from lm_eval.tasks import TaskManager
 directory, trust, include = sys.argv[1:]
-result = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={directory},trust_remote_code={trust},dtype=float32",
+arguments = f"pretrained={directory},trust_remote_code={trust},dtype=float32"
+result = lm_eval.simple_evaluate(model="hf", model_args=arguments,
                                  tasks=["stock_piqa"], limit=8, batch_size=4, device="cpu", bootstrap_iters=0,
                                  task_manager=TaskManager(include_path=include, include_defaults=False))
 assert not any(name.startswith("rcpu_bench") for name in sys.modules), "rcpu_bench was imported"
