@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from rcpu_bench.matrix.records import library_versions
 from rcpu_bench.model.adapter import layer_geometries, model_view
-from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, write_per_layer_config
+from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, format_2_per_layer_config, write_per_layer_config
 from rcpu_bench.model.loading import LoadedModel, dtype_argument, parameter_count, resolve_device, resolve_dtype
 from rcpu_bench.model.views import LayerView
 from rcpu_bench.pruning.methods import MODULES
@@ -354,18 +354,6 @@ def read_saved_config(directory: Path, manifest: dict, *, trust_remote_code: boo
     if (kind in ("per_layer", "rcpu_llama")) != isinstance(config, RcpuPrunedConfig):
         raise ValueError(f"{directory / MANIFEST} says config {kind!r} but config.json is a {type(config).__name__}")
     return config
-
-
-def format_2_per_layer_config(saved: dict[str, Any]) -> RcpuPrunedConfig:
-    """Format 2's ``RcpuLlamaConfig`` (a Llama config plus per-layer head and channel lists and o_proj /
-    down_proj bias flags) as the ``RcpuPrunedConfig`` that builds the same model."""
-    saved = dict(saved)
-    biases = [[name for name, flag in (("self_attn.o_proj", o_bias), ("mlp.down_proj", down_bias)) if flag]
-              for o_bias, down_bias in zip(saved.pop("layer_o_proj_bias"), saved.pop("layer_down_proj_bias"),
-                                           strict=True)]
-    per_layer = {name: saved.pop(name) for name in PER_LAYER[:3]}
-    base = {k: v for k, v in saved.items() if k not in ("architectures", "auto_map", "transformers_version")}
-    return RcpuPrunedConfig(base_config={**base, "model_type": "llama"}, **per_layer, layer_added_biases=biases)
 
 
 def materialize(skeleton: PreTrainedModel, directory: Path, weights: str, expected_count: int, *, dtype: str,
