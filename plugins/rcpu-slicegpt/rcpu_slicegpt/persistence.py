@@ -155,7 +155,7 @@ def load_sliced(directory: str | os.PathLike, *, dtype: str = "float32", device:
     """
     directory = Path(directory)
     slicing = read_slicing_config(directory)
-    config = AutoConfig.from_pretrained(directory)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=False)  # never code from the directory
     if config.tie_word_embeddings:
         raise ValueError(f"{directory}/config.json ties the LM head to the embeddings; a sliced model never does")
     plan = SlicePlan(slicing["hidden_size"], tuple(LayerDims(**dims) for dims in slicing["layers"]))
