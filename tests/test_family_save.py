@@ -17,7 +17,7 @@ from rcpu_bench.cli import main
 from rcpu_bench.evaluation.generation import greedy_continuation
 from rcpu_bench.matrix.store import Store
 from rcpu_bench.model.adapter import layer_geometries
-from rcpu_bench.model.loading import parameter_count
+from rcpu_bench.model.loading import load_config, load_model, parameter_count
 from rcpu_bench.model.persistence import load_pruned, save_pruned
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.pipeline import prune_model
@@ -182,3 +182,18 @@ def test_stock_lm_eval_in_a_process_without_rcpu_bench(tmp_path, structure):
                                 limit=8, bootstrap_iters=0,
                                 task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False))
     assert json.loads(stock.stdout.strip().splitlines()[-1]) == in_memory["results"]["stock_piqa"]["acc,none"]
+
+
+@needs_stories
+def test_a_saved_per_layer_model_is_a_model_to_prune_again(tmp_path):
+    """``prune --model DIR`` reads a per-layer directory through load_config / load_model like any checkpoint."""
+    model = pruned_family("gemma3_text", "al-am")
+    save_pruned(model, tmp_path / "m", tokenizer=AutoTokenizer.from_pretrained(STORIES))
+    config, _ = load_config(str(tmp_path / "m"))
+    assert config.max_position_embeddings == model.config.max_position_embeddings  # read through to the family's
+    loaded = load_model(str(tmp_path / "m"))
+    assert torch.equal(logits(loaded.model, ids()), logits(model, ids()))
+    prune_model(loaded.model, ids(1), PruneConfig(ratio=0.25), progress=False)
+    assert save_pruned(loaded.model, tmp_path / "again")["config"] == "per_layer"
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    assert torch.equal(logits(again, ids()), logits(loaded.model, ids()))

@@ -23,12 +23,12 @@ class RcpuPrunedConfig(PretrainedConfig):
 
     def __init__(self, base_config=None, layer_num_attention_heads=(), layer_num_key_value_heads=(),
                  layer_intermediate_sizes=(), layer_added_biases=(), **kwargs):
+        super().__init__(**kwargs)
         self.base_config = dict(base_config or {})
         self.layer_num_attention_heads = list(layer_num_attention_heads)
         self.layer_num_key_value_heads = list(layer_num_key_value_heads)
         self.layer_intermediate_sizes = list(layer_intermediate_sizes)
         self.layer_added_biases = [list(names) for names in layer_added_biases]
-        super().__init__(**kwargs)
         n = self.base_config.get("num_hidden_layers", 0)
         for name in PER_LAYER:
             if len(getattr(self, name)) != n:
@@ -37,6 +37,14 @@ class RcpuPrunedConfig(PretrainedConfig):
             if kv_heads < 1 or heads % kv_heads:
                 raise ValueError(f"layer {i}: {heads} query heads is not a positive multiple of {kv_heads} "
                                  "key/value heads")
+
+    def __getattr__(self, name):
+        """The family config's settings (max_position_embeddings, vocab_size, ...), read through for the tools
+        that read them from any config (set after ``__init__``, so transformers' own set-up never sees them)."""
+        base = self.__dict__.get("base_config")
+        if base is None or name.startswith("_") or name not in base:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return base[name]
 
     def family_config(self):
         """The family's config, carrying the per-layer lists (read by ``modeling_rcpu_pruned``) as attributes."""
