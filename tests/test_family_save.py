@@ -197,3 +197,43 @@ def test_a_saved_per_layer_model_is_a_model_to_prune_again(tmp_path):
     assert save_pruned(loaded.model, tmp_path / "again")["config"] == "per_layer"
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     assert torch.equal(logits(again, ids()), logits(loaded.model, ids()))
+
+
+@pytest.mark.parametrize("family", ["phi3", "olmo2", "llama"])
+def test_the_per_layer_format_builds_each_layer_at_its_counts(tmp_path, family):
+    """The format alone (families the adapter does not prune yet included): Phi-3's fused qkv_proj / gate_up_proj
+    and OLMo-2's q/k norms over all heads follow each layer's counts; the attention implementation set on the
+    model reaches every layer; save_pretrained → from_pretrained is bit-exact."""
+    from transformers import CONFIG_MAPPING
+
+    from rcpu_bench.model.hf_format import RcpuPrunedConfig
+
+    base = CONFIG_MAPPING[family](vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=4, head_dim=4, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2)
+    heads, kv_heads, channels = [6, 4], [3, 2], [20, 12]
+    config = RcpuPrunedConfig.of(base, layer_num_attention_heads=heads, layer_num_key_value_heads=kv_heads,
+                                 layer_intermediate_sizes=channels, layer_added_biases=[["self_attn.o_proj"], []])
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    assert isinstance(model, type(AutoModelForCausalLM.from_config(base)))
+    for layer, h, kv, width in zip(model.model.layers, heads, kv_heads, channels, strict=True):
+        shapes = {name: tuple(p.shape) for name, p in layer.named_parameters()}
+        assert shapes["self_attn.o_proj.weight"] == (32, h * 4)
+        if family == "phi3":
+            assert shapes["self_attn.qkv_proj.weight"] == ((h + 2 * kv) * 4, 32)
+            assert shapes["mlp.gate_up_proj.weight"] == (2 * width, 32)
+        else:
+            assert shapes["self_attn.q_proj.weight"] == (h * 4, 32)
+            assert shapes["self_attn.k_proj.weight"] == (kv * 4, 32)
+            assert shapes["mlp.gate_proj.weight"] == (width, 32)
+        if family == "olmo2":
+            assert shapes["self_attn.q_norm.weight"] == (h * 4,) and shapes["self_attn.k_norm.weight"] == (kv * 4,)
+    assert [layer.self_attn.o_proj.bias is not None for layer in model.model.layers] == [True, False]
+    model.save_pretrained(tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="eager").eval()
+    assert all(layer.self_attn.config._attn_implementation == "eager" for layer in loaded.model.layers)
+    tokens = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    model.set_attn_implementation("eager")
+    assert torch.equal(logits(loaded, tokens), logits(model, tokens))

@@ -47,12 +47,15 @@ class RcpuPrunedConfig(PretrainedConfig):
         return base[name]
 
     def family_config(self):
-        """The family's config, carrying the per-layer lists (read by ``modeling_rcpu_pruned``) as attributes."""
+        """The family's config, carrying the per-layer lists (read by ``modeling_rcpu_pruned``) as attributes, and
+        the attention implementation asked of this config."""
         base = dict(self.base_config)
         model_type = base.pop("model_type", None)
         if model_type not in CONFIG_MAPPING:
             raise ValueError(f"base_config has model_type {model_type!r}, which this transformers does not know")
         config = CONFIG_MAPPING[model_type].from_dict(base)
+        if self._attn_implementation is not None:  # from_pretrained(attn_implementation=...) set it on this config
+            config._attn_implementation = self._attn_implementation
         for name in PER_LAYER:
             setattr(config, name, getattr(self, name))
         return config

@@ -8,7 +8,6 @@ channel counts, so the forward pass is exactly the family's; linear layers named
 a bias (FLAP's bias compensation), which the families' configs cannot express for one projection alone.
 """
 
-import copy
 import functools
 import shutil
 from pathlib import Path
@@ -22,28 +21,29 @@ from .configuration_rcpu_pruned import PER_LAYER, RcpuPrunedConfig
 SOURCE_FILES = ("configuration_rcpu_pruned.py", "modeling_rcpu_pruned.py")
 
 
-def _layer_config(config, index):
-    """A shallow copy of ``config`` holding layer ``index``'s head and channel counts."""
-    layer_config = copy.copy(config)
-    layer_config.num_attention_heads = config.layer_num_attention_heads[index]
-    layer_config.num_key_value_heads = config.layer_num_key_value_heads[index]
-    layer_config.intermediate_size = config.layer_intermediate_sizes[index]
-    return layer_config
+class LayerConfig:
+    """Layer ``index``'s view of the model's config: its own head and channel counts; every other setting read from
+    the model's config when read, so that a later change (the attention implementation, switched by
+    ``set_attn_implementation`` or from_pretrained's ``attn_implementation``) reaches the layer. Some families read
+    the counts at run time (Phi-3 slices its fused qkv_proj by ``config.num_attention_heads``)."""
+
+    def __init__(self, config, index):
+        self._model_config = config
+        self.num_attention_heads = config.layer_num_attention_heads[index]
+        self.num_key_value_heads = config.layer_num_key_value_heads[index]
+        self.intermediate_size = config.layer_intermediate_sizes[index]
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_model_config"], name)
 
 
 def build_layer(layer_class, config, index):
     """Decoder layer ``index`` of ``layer_class`` at its widths, with the added biases the config lists."""
-    layer_config = _layer_config(config, index)
-    layer = layer_class(layer_config, index)
+    layer = layer_class(LayerConfig(config, index), index)
     for name in config.layer_added_biases[index]:
         linear = layer.get_submodule(name)
         parent, _, child = name.rpartition(".")
         layer.get_submodule(parent).register_module(child, nn.Linear(linear.in_features, linear.out_features))
-    # The modules read the attention implementation from their config at run time: share the model's,
-    # so that switching it (set_attn_implementation, from_pretrained's attn_implementation) reaches them.
-    for module in layer.modules():
-        if getattr(module, "config", None) is layer_config:
-            module.config = config
     return layer
 
 
@@ -55,8 +55,8 @@ def per_layer_class(model_class):
         def __init__(self, config):
             super().__init__(config)
             layers = self.base_model.layers
-            for i, layer in enumerate(layers):
-                layers[i] = build_layer(type(layer), config, i)
+            for i, layer in enumerate(layers):  # self.config: the model may hold a copy of ``config``
+                layers[i] = build_layer(type(layer), self.config, i)
             self.post_init()
 
         def save_pretrained(self, save_directory, *args, **kwargs):
