@@ -5,6 +5,7 @@ a fresh one, generate, and run as matrix cells. Families: tests/tiny_families.py
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rcpu_bench.cli import main
 from rcpu_bench.evaluation.generation import greedy_continuation
 from rcpu_bench.matrix.store import Store
-from rcpu_bench.model.adapter import layer_geometries
+from rcpu_bench.model.adapter import check_architecture, layer_geometries
 from rcpu_bench.model.loading import load_config, load_model, parameter_count
 from rcpu_bench.model.persistence import load_pruned, save_pruned
 from rcpu_bench.pruning.options import PruneConfig
@@ -33,14 +34,35 @@ def ids(seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 512, (4, 24), generator=torch.Generator().manual_seed(seed))
 
 
+MLP_ONLY = {"olmo2"}  # its q/k norms span all heads: head pruning is refused
+AWAITING = {"olmo2", "phi3"}  # pruned by the family modules of issue 18's pruning side, merged separately
+
+
+def awaiting(name: str) -> bool:
+    """Whether family ``name`` is one the adapter does not handle yet (only those in ``AWAITING`` may be)."""
+    if name not in AWAITING:
+        return False
+    try:
+        check_architecture(family_model(name))
+    except ValueError:
+        return True
+    return False
+
+
+PRUNED_FAMILIES = [name for name in FAMILIES if not awaiting(name)]
+
+
 def pruned_family(name: str, structure: str):
-    model = family_model(name)
-    prune_model(model, ids(1), STRUCTURES[structure][0], progress=False)
+    model, config = family_model(name), STRUCTURES[structure][0]
+    if name in MLP_ONLY:
+        config = replace(config, prune=("mlp",), compensate=("mlp",))
+    prune_model(model, ids(1), config, progress=False)
     return model
 
 
 @pytest.mark.parametrize("structure", STRUCTURES)
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.skipif(
+    awaiting(name), reason=f"the adapter does not prune {name} yet (its family module)")) for name in FAMILIES])
 def test_saved_family_loads_with_plain_from_pretrained_bit_exactly(tmp_path, name, structure):
     model = pruned_family(name, structure)
     kind = STRUCTURES[structure][1]
@@ -86,7 +108,7 @@ for directory, kind in cases.items():
 @pytest.mark.slow
 def test_every_family_reloads_bit_exactly_in_a_fresh_process(tmp_path):
     cases, expected = {}, {}
-    for name in FAMILIES:
+    for name in PRUNED_FAMILIES:
         for structure, (_, kind) in STRUCTURES.items():
             directory = tmp_path / f"{name}-{structure}"
             model = pruned_family(name, structure)
@@ -115,19 +137,25 @@ def test_generate_command_on_a_saved_family_model(tmp_path, capsys, name, struct
 @pytest.mark.slow
 @needs_stories
 def test_one_matrix_cell_per_family_through_rcpu_bench_run(tmp_path):
-    tokenizer, models = AutoTokenizer.from_pretrained(STORIES), []
-    for name in FAMILIES:
+    tokenizer, models = AutoTokenizer.from_pretrained(STORIES), {}
+    for name in PRUNED_FAMILIES:
         family_model(name).save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
-        models.append({"model": str(tmp_path / name), "label": name})
-    matrix = write_matrix(tmp_path / "families.yaml", tiny_raw(["wanda-sp"], name="families", models=models))
-    assert main(["run", "--matrix", str(matrix), "--results", str(tmp_path / "results"), "--quiet"]) == 0
-    entries = Store(tmp_path / "results").entries()
-    assert sorted(entry["cell"]["model_label"] for entry in entries) == sorted(FAMILIES)
-    for entry in entries:
-        assert entry["status"] == "ok", entry["error"]
-        assert entry["record"]["parameters"]["removed_fraction"] > 0
-        assert all(torch.isfinite(torch.tensor(p["ppl"])) for p in entry["record"]["perplexity"])
+        models[name] = {"model": str(tmp_path / name), "label": name}
+    mlp_only = {"prune": ["mlp"], "compensate": ["mlp"]}
+    runs = {"families": ([m for name, m in models.items() if name not in MLP_ONLY], {}),
+            "mlp-only": ([m for name, m in models.items() if name in MLP_ONLY], mlp_only)}
+    labels = []
+    for run, (run_models, prune) in runs.items():
+        matrix = write_matrix(tmp_path / f"{run}.yaml", tiny_raw(["wanda-sp"], name=run, models=run_models,
+                                                                 **({"prune": prune} if prune else {})))
+        assert main(["run", "--matrix", str(matrix), "--results", str(tmp_path / run), "--quiet"]) == 0
+        for entry in Store(tmp_path / run).entries():
+            assert entry["status"] == "ok", entry["error"]
+            assert entry["record"]["parameters"]["removed_fraction"] > 0
+            assert all(torch.isfinite(torch.tensor(p["ppl"])) for p in entry["record"]["perplexity"])
+            labels.append(entry["cell"]["model_label"])
+    assert sorted(labels) == sorted(PRUNED_FAMILIES)
 
 
 STOCK_TASK = """task: stock_piqa

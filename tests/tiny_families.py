@@ -15,7 +15,9 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     OlmoConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -36,6 +38,8 @@ FAMILIES = {  # name: (config class, the family's shape features)
     "gemma3_text": (Gemma3TextConfig, {"head_dim": 4, "query_pre_attn_scalar": 4, "sliding_window": 4,
                                        "layer_types": ["sliding_attention", "full_attention"]}),
     "olmo": (OlmoConfig, {"clip_qkv": 2.0}),
+    "olmo2": (Olmo2Config, {}),  # q/k norms over all heads: heads are not pruned (MLP only)
+    "phi3": (Phi3Config, {}),  # fused qkv_proj, gate_up_proj
     "granite": (GraniteConfig, {"embedding_multiplier": 2.0, "logits_scaling": 3.0, "residual_multiplier": 0.5,
                                 "attention_multiplier": 0.3}),
 }
