@@ -154,9 +154,9 @@ def saved_config(model: PreTrainedModel) -> tuple[str, PretrainedConfig]:
     (no bias the family lacks; transformers accepts the counts). Else ``"per_layer"``: an ``RcpuPrunedConfig``
     of the unpruned family config (explicit head_dim) with per-layer counts and added biases.
     """
-    base = family_config(model.config, head_dim=layer_geometries(model)[0].head_dim)
     geometries = layer_geometries(model)
     first, shapes = geometries[0], tensor_shapes(model)
+    base = family_config(model.config, head_dim=first.head_dim)
     if all(geometry == first for geometry in geometries):
         counts = {"num_attention_heads": first.n_heads, "num_key_value_heads": first.n_kv_heads,
                   "intermediate_size": first.intermediate}

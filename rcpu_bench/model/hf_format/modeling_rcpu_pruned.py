@@ -2,10 +2,11 @@
 
 Written by rcpu-bench (``rcpu_bench.model.hf_format``) beside the weights of a saved pruned model; see
 ``configuration_rcpu_pruned.py``. Loading builds the family's own causal LM class (``LlamaForCausalLM``,
-``Qwen2ForCausalLM``, ``Gemma2ForCausalLM``, ...) through a subclass (``per_layer_class``) that rebuilds each
-decoder layer with the family's own layer class from a copy of the config holding that layer's head and
-channel counts, so the forward pass is exactly the family's; linear layers named in ``layer_added_biases`` get
-a bias (FLAP's bias compensation), which the families' configs cannot express for one projection alone.
+``Qwen2ForCausalLM``, ``Phi3ForCausalLM``, ...) through a subclass (``per_layer_class``) that rebuilds each
+decoder layer with the family's own layer class from a view of the config holding that layer's head and
+channel counts (``LayerConfig``), so the forward pass is exactly the family's; linear layers named in
+``layer_added_biases`` get a bias (FLAP's bias compensation), which the families' configs cannot express for
+one projection alone.
 """
 
 import functools
