@@ -188,18 +188,40 @@ class EvilForCausalLM(LlamaForCausalLM):
 """
 
 
+def plant_remote_code(directory, marker):
+    """Make ``directory``'s config.json name Python files beside it that write ``marker`` when imported."""
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="evil_llama", auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                                                     "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "configuration_evil.py").write_text(EVIL_CONFIG.format(marker=str(marker)))
+    (directory / "modeling_evil.py").write_text(EVIL_MODEL)
+
+
+@needs_stories
+@pytest.mark.parametrize("command", [["generate"], ["speed"], ["eval", "--tasks", "piqa"], ["prune"]])
+@pytest.mark.parametrize("saved", [True, False], ids=["saved-directory", "checkpoint"])
+def test_model_code_is_refused_without_the_flag_before_any_work(tmp_path, capsys, command, saved):
+    model, tokenizer = pruned_stories(STORIES, CASES["gqa-uniform-4-heads"][1])
+    if saved:
+        save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
+    else:
+        model.save_pretrained(tmp_path / "m")
+        tokenizer.save_pretrained(tmp_path / "m")
+    plant_remote_code(tmp_path / "m", tmp_path / "marker")
+    assert main([*command, "--model", str(tmp_path / "m")]) == 2
+    error = capsys.readouterr().err.splitlines()[-1]  # one line (after any progress bars)
+    assert error.startswith("rcpu-bench: error: model ") and "pass --trust-remote-code" in error
+    assert not (tmp_path / "marker").exists()
+
+
 @needs_stories
 def test_code_in_a_saved_directory_runs_only_with_trust_remote_code(tmp_path, capsys):
     model, tokenizer = pruned_stories(STORIES, CASES["gqa-uniform-4-heads"][1])
     save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
     marker = tmp_path / "marker"
-    config = json.loads((tmp_path / "m" / "config.json").read_text())
-    config.update(model_type="evil_llama", auto_map={"AutoConfig": "configuration_evil.EvilConfig",
-                                                     "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    (tmp_path / "m" / "configuration_evil.py").write_text(EVIL_CONFIG.format(marker=str(marker)))
-    (tmp_path / "m" / "modeling_evil.py").write_text(EVIL_MODEL)
-    with pytest.raises(ValueError, match="trust_remote_code=True"):
+    plant_remote_code(tmp_path / "m", marker)
+    with pytest.raises(ValueError, match="ships Python code .* pass --trust-remote-code"):
         load_pruned(tmp_path / "m")
     argv = ["generate", "--model", str(tmp_path / "m"), "--max-new-tokens", "2"]
     assert main(argv) == 2  # a one-line error before loading, no prompt

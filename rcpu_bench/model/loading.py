@@ -6,6 +6,7 @@ adapter on a weightless skeleton before any weights are read.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import transformers
 from packaging.version import Version
 from torch import nn
 from transformers import (
+    CONFIG_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -95,6 +97,19 @@ def model_source(name_or_path: str) -> str:
     return name_or_path
 
 
+def check_remote_code(name: str, config_file: str | Path, trust_remote_code: bool) -> None:
+    """ValueError naming ``--trust-remote-code`` when loading the model at ``config_file`` would run Python code shipped
+    with it (its config.json's ``auto_map`` names a model type this transformers does not know), unless trusted.
+
+    One line, before transformers' own refusal (several lines) or, where trust is left undecided, its prompt.
+    """
+    settings = json.loads(Path(config_file).read_text())
+    if not trust_remote_code and "auto_map" in settings and settings.get("model_type") not in CONFIG_MAPPING:
+        raise ValueError(f"model {name} ships Python code that loading it would run (config.json auto_map, "
+                         f"model_type {settings.get('model_type')!r}); pass --trust-remote-code "
+                         "(trust_remote_code=True) to allow it")
+
+
 def _check_supported(config: PretrainedConfig, trust_remote_code: bool) -> None:
     """Build a weightless (meta) skeleton of ``config``'s causal LM and check its shape."""
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
@@ -115,7 +130,9 @@ def load_config(name_or_path: str, revision: str | None = None, *,
     (transformers' own message), never a prompt. rcpu-bench's per-layer saved format needs none.
     """
     source = model_source(name_or_path)
-    commit = extract_commit_hash(cached_file(source, "config.json", revision=revision), None)
+    config_file = cached_file(source, "config.json", revision=revision)
+    check_remote_code(name_or_path, config_file, trust_remote_code)
+    commit = extract_commit_hash(config_file, None)
     config = AutoConfig.from_pretrained(source, revision=commit or revision, trust_remote_code=trust_remote_code)
     _check_supported(config, trust_remote_code)
     return config, commit

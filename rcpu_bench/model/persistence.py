@@ -41,7 +41,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from rcpu_bench.matrix.records import library_versions
 from rcpu_bench.model.adapter import layer_geometries, model_view
 from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, format_2_per_layer_config, write_per_layer_config
-from rcpu_bench.model.loading import LoadedModel, dtype_argument, parameter_count, resolve_device, resolve_dtype
+from rcpu_bench.model.loading import (
+    LoadedModel,
+    check_remote_code,
+    dtype_argument,
+    parameter_count,
+    resolve_device,
+    resolve_dtype,
+)
 from rcpu_bench.model.views import LayerView
 from rcpu_bench.pruning.methods import MODULES
 
@@ -350,7 +357,9 @@ def read_saved_config(directory: Path, manifest: dict, *, trust_remote_code: boo
     if kind == "rcpu_llama":
         config = format_2_per_layer_config(json.loads((directory / "config.json").read_text()))
     else:
-        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code and kind != "per_layer")
+        trust = trust_remote_code and kind != "per_layer"
+        check_remote_code(str(directory), directory / "config.json", trust)
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust)
     if (kind in ("per_layer", "rcpu_llama")) != isinstance(config, RcpuPrunedConfig):
         raise ValueError(f"{directory / MANIFEST} says config {kind!r} but config.json is a {type(config).__name__}")
     return config
