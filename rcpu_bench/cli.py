@@ -15,16 +15,12 @@ from tabulate import tabulate
 
 from rcpu_bench import __version__, console
 from rcpu_bench.evaluation import eval_command, generation, speed
+from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, run_experiment
 from rcpu_bench.matrix import runner
-from rcpu_bench.matrix.experiment import (
-    DEFAULT_CALIB,
-    Experiment,
-    default_model,
-    run_experiment,
-)
-from rcpu_bench.matrix.records import append_record
 from rcpu_bench.model.loading import add_model_options
+from rcpu_bench.paths import default_model
 from rcpu_bench.pruning import options
+from rcpu_bench.records import Record, append_record
 from rcpu_bench.registry import default_registry
 from rcpu_bench.tables import plots, tables
 
@@ -42,13 +38,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 1 if registry.broken else 0
 
 
-def _summary(record: dict[str, Any]) -> str:
-    params = record["parameters"]
+def _summary(record: Record) -> str:
+    params = record.parameters
     lines = [f"parameters: {params['before']:,} -> {params['after']:,} ({params['removed_fraction']:.2%} removed)",
-             f"pruning time: {sum(record['timing']['prune_seconds'].values()):.1f} s, "
-             f"peak memory {record['peak_memory_bytes'] / 2**20:.0f} MiB"]
+             f"pruning time: {sum(record.timing['prune_seconds'].values()):.1f} s, "
+             f"peak memory {record.peak_memory_bytes / 2**20:.0f} MiB"]
     lines += [f"ppl[{p['profile']}] = {p['ppl']:.4f}  ({p['n_windows']} windows, {p['n_tokens']:,} tokens, "
-              f"seqlen {p['seqlen']})" for p in record["perplexity"]]
+              f"seqlen {p['seqlen']})" for p in record.perplexity]
     return "\n".join(lines)
 
 

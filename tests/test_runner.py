@@ -18,10 +18,10 @@ from tiny_matrices import tiny_matrix, tiny_raw, write_matrix
 from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
 from rcpu_bench.compensation import compensators
+from rcpu_bench.experiment import run_experiment
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.matrix import executors
 from rcpu_bench.matrix.executors import ModelCache, clone_to, make_executor, run_cell
-from rcpu_bench.matrix.experiment import run_experiment
 from rcpu_bench.matrix.runner import (
     add_parser,
     default_cell_seconds,
@@ -30,6 +30,7 @@ from rcpu_bench.matrix.runner import (
 )
 from rcpu_bench.matrix.spec import MatrixError, expand, load_matrix
 from rcpu_bench.matrix.store import Store, read_results
+from rcpu_bench.records import Record
 from rcpu_bench.registry import build_registry, default_registry, plugin_manager
 
 REGISTRY = default_registry()
@@ -60,8 +61,8 @@ def test_a_run_stores_a_complete_entry_per_cell_and_a_rerun_skips_them(tmp_path)
     assert removed[0] == 0 < removed[1] == removed[2]
     # Every cell prunes its own copy of the cached dense model: the last one equals a run that loads the model.
     fresh = run_experiment(expand(matrix, REGISTRY)[-1].experiment(), progress=False)
-    assert entries[-1]["record"]["perplexity"] == fresh["perplexity"]
-    assert entries[-1]["record"]["calibration_ppl"] == fresh["calibration_ppl"]
+    assert entries[-1]["record"]["perplexity"] == fresh.perplexity
+    assert entries[-1]["record"]["calibration_ppl"] == fresh.calibration_ppl
     again = run_matrix(matrix, tmp_path, progress=False)
     assert (again.ok, again.failed, again.skipped) == (0, 0, 3) and len(Store(tmp_path).entries()) == 3
     rerun = run_matrix(tiny_matrix(["wanda-sp"]), tmp_path, resume=False, progress=False)
@@ -128,7 +129,8 @@ def test_failing_cells_are_recorded_with_their_traceback_the_run_goes_on_and_a_r
 
 def test_a_non_finite_perplexity_fails_the_cell(monkeypatch):
     (cell,) = expand(tiny_matrix(["rcpu-rot"]), REGISTRY)
-    record = {"calibration_ppl": 5.0, "perplexity": [{"profile": "tinystories[900:920]", "ppl": float("nan")}]}
+    record = Record(experiment={}, parameters={}, timing={}, peak_memory_bytes=0, calibration_ppl=5.0,
+                    perplexity=[{"profile": "tinystories[900:920]", "ppl": float("nan")}])
     monkeypatch.setattr(executors, "run_experiment", lambda *args, **kwargs: record)
     entry = run_cell(cell, REGISTRY, ModelCache())
     assert entry["status"] == "failed" and entry["record"] is None

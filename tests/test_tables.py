@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from rcpu_bench.matrix.store import StoredResult, read_results
 from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.tables import results as values
-from rcpu_bench.tables.layout import make_tables, spec
+from rcpu_bench.tables.layout import spec
 from rcpu_bench.tables.paper import PaperNumbers, mark_disagreements, paper_table, read_paper
 from rcpu_bench.tables.render import latex_power_of_ten, render
 from rcpu_bench.tables.table import rank_marks, table_marks
-from rcpu_bench.tables.tables import add_parser, cmd_tables
+from rcpu_bench.tables.tables import add_parser, cmd_tables, make_tables
 
 MIB = 2**20
 PRUNE_DEFAULTS: dict[str, Any] = {  # PruneConfig's fields and defaults, as a record stores them

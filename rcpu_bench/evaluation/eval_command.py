@@ -13,7 +13,6 @@ from tabulate import tabulate
 from rcpu_bench import console
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS
 from rcpu_bench.evaluation.zeroshot import SOURCES, TASK_FIELDS, plan_zeroshot, run_zeroshot
-from rcpu_bench.matrix.records import append_record, library_versions
 from rcpu_bench.model.loading import (
     LoadedModel,
     add_model_options,
@@ -25,6 +24,7 @@ from rcpu_bench.model.loading import (
     resolve_dtype,
 )
 from rcpu_bench.model.persistence import MANIFEST, load_saved, read_manifest
+from rcpu_bench.records import append_record, library_versions
 
 
 def _with_stderr(task: dict[str, Any], stat: str) -> str:

@@ -67,9 +67,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``rcpu-bench generate``: check the models, load them, print each prompt's continuations one under another."""
-    from rcpu_bench.matrix.experiment import (
-        default_model,  # experiment imports this module for record["sample"]
-    )
+    from rcpu_bench.paths import default_model
 
     names = [args.model or default_model(), *([args.compare] if args.compare else [])]
     try:

@@ -112,10 +112,8 @@ def cmd_speed(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
     from rcpu_bench.evaluation.eval_command import check_models, load_saved_or_model
-    from rcpu_bench.matrix.experiment import (
-        default_model,  # experiment imports this module for record["inference"]
-    )
     from rcpu_bench.model.loading import parameter_count
+    from rcpu_bench.paths import default_model
 
     names = args.model or [default_model()]
     try:

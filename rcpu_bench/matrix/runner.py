@@ -50,13 +50,13 @@ from rcpu_bench.matrix.store import (
     read_results,
 )
 from rcpu_bench.model.loading import load_config
+from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.pipeline import PruneConfig
 from rcpu_bench.registry import Registry, default_registry
 from rcpu_bench.tables import plots
-from rcpu_bench.tables.layout import make_tables
 from rcpu_bench.tables.render import render
 from rcpu_bench.tables.results import default_profile
-from rcpu_bench.tables.table import percent
+from rcpu_bench.tables.tables import make_tables
 
 # Seconds per cell assumed for a model with no cell stored yet, by parameter count (upper bound, seconds):
 # stories260K on a 2-core CPU with the smoke matrix's evaluation subset, then rough guesses for a 1B model on a

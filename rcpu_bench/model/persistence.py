@@ -40,12 +40,11 @@ from safetensors.torch import load_model, save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from rcpu_bench.matrix.records import library_versions
 from rcpu_bench.model.adapter import model_view
 from rcpu_bench.model.hf_format import RcpuLlamaConfig, RcpuLlamaForCausalLM, write_source
 from rcpu_bench.model.loading import LoadedModel, dtype_argument, parameter_count, resolve_device, resolve_dtype
-from rcpu_bench.model.views import LayerView
-from rcpu_bench.pruning.methods import MODULES
+from rcpu_bench.model.views import MODULES, LayerView
+from rcpu_bench.records import library_versions
 
 FORMAT = "rcpu-bench-pruned"
 FORMAT_VERSION = 2

@@ -1,6 +1,6 @@
 """What the harness asks of a decoder model, whatever its family: per-layer and model-level views.
 
-A decoder layer has two prunable modules (``rcpu_bench.pruning.methods.MODULES``): ``"attention"``,
+A decoder layer has two prunable modules (:data:`MODULES`): ``"attention"``,
 whose pruned projection (the *consumer*) is the output projection, its input columns grouped into query
 heads of ``head_dim``; and ``"mlp"``, whose consumer is the down projection, one column per intermediate
 channel. The *producers* are the projections whose output rows go with those columns (methods-spec §3.1):
@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from rcpu_bench.model.surgery import heads_of_columns
-from rcpu_bench.pruning.methods import MODULES  # re-exported by rcpu_bench.model for plugins
 from rcpu_bench.selection.select import Selection
 
+MODULES = ("attention", "mlp")  # the prunable modules of a decoder layer: heads (o_proj) and channels (down_proj)
 GQA_RULES = ("group", "query")
 
 

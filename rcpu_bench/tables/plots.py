@@ -5,7 +5,7 @@ perplexity vs pruning ratio as grouped bars, one bar per compensation method, in
 (fig:bar-2x2: a row per N_calib, a column per scorer, WANDA-sp score then the proposed variance score);
 perplexity vs the ridge λ (log axis, the chosen λ starred); perplexity vs N_calib per method and ratio
 (fig:nvsppl). The ``*_data`` functions compute what is drawn from the stored runs alone (the same choice of run
-as the tables, :func:`rcpu_bench.tables.lambda_rules.resolve`), separately from drawing.
+as the tables, :func:`rcpu_bench.matrix.lambda_rules.resolve`), separately from drawing.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, resolve
 from rcpu_bench.matrix.store import StoredResult, read_results
+from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.options import is_default_pipeline
 from rcpu_bench.tables import generalisation
-from rcpu_bench.tables.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, resolve
 from rcpu_bench.tables.layout import any_row, cell_grid, compensates_all
 from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, default_profile, ppl_of
-from rcpu_bench.tables.table import ORIGINAL, percent
+from rcpu_bench.tables.table import ORIGINAL
 from rcpu_bench.tables.tables import add_lambda_rule_option, add_profile_option, add_results_options, results_dir_of
 
 COMPENSATOR_NAMES = {"none": "No comp.", "flap-bias": "Bias (FLAP)", "ridge": "LS (λ_best)",  # legend order

@@ -3,7 +3,7 @@ optionally beside the paper's own numbers.
 
 The tables are built from the store's finished runs alone (:func:`rcpu_bench.matrix.store.read_results`):
 which runs make which rows and columns is :mod:`rcpu_bench.tables.layout`, the λ of a ridge grid
-:mod:`rcpu_bench.tables.lambda_rules`, the values :mod:`rcpu_bench.tables.results`, the paper's numbers
+:mod:`rcpu_bench.matrix.lambda_rules`, the values :mod:`rcpu_bench.tables.results`, the paper's numbers
 :mod:`rcpu_bench.tables.paper` and the formats :mod:`rcpu_bench.tables.render`.
 """
 
@@ -11,17 +11,40 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
+from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES
 from rcpu_bench.matrix.spec import load_matrix
-from rcpu_bench.matrix.store import RECORDS, RESULTS_ROOT, matrix_results_dir, read_results
-from rcpu_bench.tables.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES
-from rcpu_bench.tables.layout import TABLE_KINDS, make_tables
-from rcpu_bench.tables.paper import read_paper
+from rcpu_bench.matrix.store import RECORDS, RESULTS_ROOT, StoredResult, matrix_results_dir, read_results
+from rcpu_bench.tables import generalisation
+from rcpu_bench.tables.layout import TABLE_KINDS, build_tables, spec
+from rcpu_bench.tables.paper import PaperNumbers, read_paper
 from rcpu_bench.tables.render import FORMATS, render
-from rcpu_bench.tables.results import PAPER_PROFILE, default_profile
+from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, default_profile
+from rcpu_bench.tables.table import Table
+
+
+def make_tables(results: Sequence[StoredResult], table: str = "all", *, profile: str = PAPER_PROFILE,
+                metric_map: str = "paper", paper: PaperNumbers | None = None,
+                lambda_rule: str = DEFAULT_LAMBDA_RULE) -> list[Table]:
+    """The tables of one kind (or ``all``) from stored runs; empty tables are left out. ``lambda_rule`` chooses
+    λ_best of a ridge grid (rcpu_bench.matrix.lambda_rules); the titles of tables with a λ column name it."""
+    if lambda_rule not in LAMBDA_RULES:
+        raise ValueError(f"unknown lambda rule {lambda_rule!r}; allowed: {', '.join(LAMBDA_RULES)}")
+    kinds = TABLE_KINDS if table == "all" else (table,)
+    specs = [spec(kind, profile, metric_map) for kind in kinds if kind != "generalisation"]
+    if {"ppl", "ppl-other", "ablation"} & set(kinds):
+        check_profile(results, profile)
+        if paper is not None and profile != PAPER_PROFILE:
+            raise ValueError(f"the paper's perplexities are profile {PAPER_PROFILE}; got --profile {profile}")
+    tables = [t for s in specs for t in build_tables(results, s, paper, lambda_rule)]
+    if "generalisation" in kinds:
+        tables += generalisation.make_tables(results)
+    return tables
+
 
 
 def add_results_options(parser: Any) -> None:

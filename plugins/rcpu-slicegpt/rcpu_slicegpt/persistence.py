@@ -32,7 +32,6 @@ from transformers import (
     PreTrainedModel,
 )
 
-from rcpu_bench.matrix.records import library_versions
 from rcpu_bench.model import (
     MANIFEST,
     LoadedModel,
@@ -44,6 +43,7 @@ from rcpu_bench.model import (
     resolve_dtype,
     write_atomically,
 )
+from rcpu_bench.records import library_versions
 from rcpu_slicegpt.layers import (
     RMSN,
     LayerDims,
