@@ -34,7 +34,7 @@ def test_bad_input_is_reported_before_work(capsys, tmp_path, args, message):
     out = tmp_path / "r.jsonl"
     code = main(["prune", *QUICK, *args, "--out", str(out)])
     err = capsys.readouterr().err
-    assert code == 2 and "rcpu-bench: error:" in err and message in err
+    assert code == 2 and "rcpu-bench prune: error:" in err and message in err
     assert not out.exists()
 
 

@@ -19,7 +19,7 @@ from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import default_registry
 from rcpu_bench.tables import generalisation
-from rcpu_bench.tables.tables import render
+from rcpu_bench.tables.render import render
 
 
 class WordIds:

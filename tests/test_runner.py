@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -17,13 +16,13 @@ import torch
 from tiny_matrices import tiny_matrix, tiny_raw, write_matrix
 from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
+from rcpu_bench.commands import main
 from rcpu_bench.compensation import compensators
 from rcpu_bench.experiment import run_experiment
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.matrix import executors
 from rcpu_bench.matrix.executors import ModelCache, clone_to, make_executor, run_cell
 from rcpu_bench.matrix.runner import (
-    add_parser,
     default_cell_seconds,
     estimate_seconds,
     run_matrix,
@@ -38,11 +37,8 @@ TIMEOUT_S = 120
 
 
 def cli(*args: str) -> int:
-    """``rcpu-bench run ARGS`` through a parser built with the runner's add_parser."""
-    parser = argparse.ArgumentParser(prog="rcpu-bench")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    parsed = parser.parse_args(["run", *args])
-    return parsed.func(parsed)
+    """``rcpu-bench run ARGS``."""
+    return main(["run", *args])
 
 
 @pytest.mark.slow
@@ -172,12 +168,9 @@ def test_missing_zeroshot_data_is_reported_before_any_cell_runs(tmp_path, fake_z
 # --- kills ----------------------------------------------------------------------------------------
 
 RUNNER_SCRIPT = """\
-import argparse, sys
-from rcpu_bench.matrix.runner import add_parser
-parser = argparse.ArgumentParser(prog="rcpu-bench")
-add_parser(parser.add_subparsers(dest="command", required=True))
-args = parser.parse_args(sys.argv[1:])
-sys.exit(args.func(args))
+import sys
+from rcpu_bench.commands import main
+sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -246,7 +239,7 @@ def test_a_dry_run_lists_the_cells_without_running_them(capsys, tmp_path):
 def test_bad_input_is_reported_before_any_cell_runs(capsys, tmp_path, args, message):
     assert cli(*args, "--results", str(tmp_path), "--quiet") == 2
     err = capsys.readouterr().err
-    assert "rcpu-bench: error:" in err and message in err
+    assert "rcpu-bench run: error:" in err and message in err
     assert not (tmp_path / "records.jsonl").exists()
 
 

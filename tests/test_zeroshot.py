@@ -435,7 +435,7 @@ def test_eval_command_reports_bad_input_before_work(tmp_path, capsys, args, mess
     out = tmp_path / "runs.jsonl"
     code = run_eval(["--model", str(STORIES), "--source", "local", *args, "--out", str(out)])
     err = capsys.readouterr().err
-    assert code == 2 and "rcpu-bench: error:" in err and message in err
+    assert code == 2 and "rcpu-bench eval: error:" in err and message in err
     assert not out.exists()
 
 

@@ -73,7 +73,7 @@ def make_entry(cell: StoredCell, *, seconds: float, record: Record | None = None
             "seconds": seconds}
 
 
-class StoreBusyError(RuntimeError):
+class StoreBusyError(OSError):
     """Another process is writing the same store."""
 
 

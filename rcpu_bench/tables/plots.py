@@ -10,9 +10,7 @@ as the tables, :func:`rcpu_bench.matrix.lambda_rules.resolve`), separately from 
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,14 +23,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, resolve
-from rcpu_bench.matrix.store import StoredResult, read_results
+from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.options import is_default_pipeline
 from rcpu_bench.tables import generalisation
 from rcpu_bench.tables.layout import any_row, cell_grid, compensates_all
-from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, default_profile, ppl_of
+from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, ppl_of
 from rcpu_bench.tables.table import ORIGINAL
-from rcpu_bench.tables.tables import add_lambda_rule_option, add_profile_option, add_results_options, results_dir_of
 
 COMPENSATOR_NAMES = {"none": "No comp.", "flap-bias": "Bias (FLAP)", "ridge": "LS (λ_best)",  # legend order
                      "procrustes": "Rot.", "scaled-procrustes": "Rot.+Scale"}
@@ -263,34 +260,3 @@ def write_plots(results: Sequence[StoredResult], out_dir: str | Path, profile: s
                     figure.savefig(path, format=fmt, dpi=DPI, bbox_inches="tight", metadata=_METADATA[fmt])
                 paths.append(path)
     return paths + generalisation.write_plots(results, out_dir)
-
-
-# ------------------------------------------------------------------------------------------------------ CLI
-
-def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add ``plots`` to the CLI's subcommands."""
-    p = commands.add_parser("plots", help="draw the paper's figures from a results store (PNG, PDF and SVG)")
-    add_results_options(p)
-    p.add_argument("--out-dir", metavar="DIR", help="where the figures go (default: <results>/plots)")
-    add_profile_option(p)
-    add_lambda_rule_option(p)
-    p.set_defaults(func=cmd_plots)
-    return p
-
-
-def cmd_plots(args: argparse.Namespace) -> int:
-    """Write the figures and print their paths; errors are reported with exit code 2."""
-    try:
-        results_dir = results_dir_of(args)
-        stored = read_results(results_dir)
-        paths = write_plots(stored.results, args.out_dir or results_dir / "plots",
-                            args.profile or default_profile(stored.results), args.lambda_rule)
-    except (ValueError, OSError) as error:
-        print(f"rcpu-bench: error: {error}", file=sys.stderr)
-        return 2
-    stored.note_failed()
-    if not paths:
-        print("rcpu-bench: nothing to plot", file=sys.stderr)
-    for path in paths:
-        print(path)
-    return 0
