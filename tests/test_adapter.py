@@ -207,3 +207,25 @@ def test_module_names_are_known_only_to_the_family():
             if names:
                 offenders[relative] = sorted(names)
     assert offenders == {}
+
+
+# --- the top package is the rest of the plugin face ---------------------------------------------------
+
+def test_every_name_of_the_top_package_loads():
+    import rcpu_bench
+
+    assert all(getattr(rcpu_bench, name) is not None for name in rcpu_bench.__all__)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    return modules | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_plugins_import_only_the_top_package_and_the_model_side():
+    sources = [path for path in ROOT.joinpath("plugins").glob("*/rcpu_*/*.py")]
+    deeper = {path.relative_to(ROOT).as_posix(): sorted(m for m in _imported_modules(path)
+                                                          if m.startswith("rcpu_bench.") and m != "rcpu_bench.model")
+              for path in sources}
+    assert sources and {path: modules for path, modules in deeper.items() if modules} == {}

@@ -32,6 +32,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from rcpu_bench import library_versions
 from rcpu_bench.model import (
     MANIFEST,
     LoadedModel,
@@ -43,7 +44,6 @@ from rcpu_bench.model import (
     resolve_dtype,
     write_atomically,
 )
-from rcpu_bench.records import library_versions
 from rcpu_slicegpt.layers import (
     RMSN,
     LayerDims,
