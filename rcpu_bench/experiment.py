@@ -15,7 +15,7 @@ from typing import Any
 
 from rcpu_bench import data
 from rcpu_bench.compensation import diagnostics
-from rcpu_bench.evaluation import perplexity
+from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
 from rcpu_bench.evaluation.generation import text_sample
 from rcpu_bench.evaluation.speed import inference_speed
 from rcpu_bench.model.loading import (
@@ -46,7 +46,7 @@ class Experiment:
     revision: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    eval_batch_size: int = 8
+    eval_batch_size: int = EVAL_BATCH_SIZE
     data_dir: str | None = None
     save_dir: str | None = None
 
