@@ -234,3 +234,20 @@ def test_a_post_norm_voids_the_scale_and_the_report_says_so(name, void):
         runs[compensator] = logits(model, ids(seed=1))
     assert all(layer[m].get("scale_void", False) == void for layer in reports for m in ("attention", "mlp"))
     assert torch.allclose(runs["procrustes"], runs["scaled-procrustes"], atol=1e-4) == void
+
+
+def test_tables_mark_a_run_whose_scale_a_post_norm_voided():
+    from dataclasses import asdict
+
+    from rcpu_bench.matrix.store import StoredResult
+    from rcpu_bench.pruning.methods import label_of
+    from rcpu_bench.tables.layout import SCALE_VOID, method_row
+
+    prune_config = asdict(PruneConfig(compensator="scaled-procrustes"))
+    label = label_of(prune_config)
+    gemma = build("gemma2")
+    layers = prune_model(gemma, ids(), PruneConfig(compensator="scaled-procrustes", ratio=0.34), progress=False).layers
+    record = {"experiment": {"prune": prune_config}, "layers": layers}
+    assert label and method_row(StoredResult("c", {}, record, 0.0)) == label + SCALE_VOID
+    record["layers"] = prune(build("llama"), "llama", compensator="scaled-procrustes")
+    assert method_row(StoredResult("c", {}, record, 0.0)) == label
