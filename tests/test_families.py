@@ -224,15 +224,15 @@ def test_mixtures_of_experts_are_refused_naming_what_is_missing(config):
         check_architecture(model)
 
 
-@pytest.mark.parametrize("name, void", [("gemma2", True), ("gemma3", True), ("llama", False)])
+@pytest.mark.parametrize("name, void", [("gemma2", True), ("gemma3", True), ("olmo2", True), ("llama", False)])
 def test_a_post_norm_voids_the_scale_and_the_report_says_so(name, void):
-    """RMSNorm(s·y) = RMSNorm(y): under Gemma's post-norms scaled-procrustes is procrustes, and is recorded so."""
+    """RMSNorm(s·y) = RMSNorm(y): under post-norms (Gemma, OLMo-2) scaled-procrustes is procrustes, recorded so."""
     runs = {}
     for compensator in ("procrustes", "scaled-procrustes"):
         model = build(name)
         reports = prune(model, name, compensator=compensator)
         runs[compensator] = logits(model, ids(seed=1))
-    assert all(layer[m].get("scale_void", False) == void for layer in reports for m in ("attention", "mlp"))
+    assert all(layer[m].get("scale_void", False) == void for layer in reports for m in CASES[name].prune)
     assert torch.allclose(runs["procrustes"], runs["scaled-procrustes"], atol=1e-4) == void
 
 
