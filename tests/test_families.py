@@ -157,8 +157,11 @@ def reconstruction_error(dense: nn.Linear, pruned: nn.Linear, x: Tensor, pruned_
     dense, pruned = dense.requires_grad_(False), pruned.requires_grad_(False)
     kept = torch.ones(x.shape[1], dtype=torch.bool)
     kept[pruned_columns] = False
-    y = nn.functional.linear(x, dense.weight.double(), None if dense.bias is None else dense.bias.double())
-    y_hat = nn.functional.linear(x[:, kept], pruned.weight.double(), None if pruned.bias is None else pruned.bias.double())
+    def double(bias: Tensor | None) -> Tensor | None:
+        return None if bias is None else bias.double()
+
+    y = nn.functional.linear(x, dense.weight.double(), double(dense.bias))
+    y_hat = nn.functional.linear(x[:, kept], pruned.weight.double(), double(pruned.bias))
     return float((y - y_hat).square().sum())
 
 

@@ -189,7 +189,7 @@ class LlamaLikeLayer(LayerView):
     PROJECTIONS = CONSUMERS
 
     @property
-    def PARTS(self) -> tuple[str, ...]:  # noqa: N802 (the LayerView attribute)
+    def PARTS(self) -> tuple[str, ...]:
         return self.FAMILY.parts
 
     @classmethod
@@ -217,7 +217,7 @@ class LlamaLikeLayer(LayerView):
             return "self_attn has no head_dim / num_key_value_groups attributes"
         if family.head_pruning_refused is None:
             for name in family.head_norms:
-                width = getattr(getattr(attn, name), "weight").numel()
+                width = getattr(attn, name).weight.numel()
                 if width != attn.head_dim:
                     return f"self_attn.{name} has width {width}, not head_dim={attn.head_dim}: it spans several heads"
         return None
@@ -244,8 +244,9 @@ class LlamaLikeLayer(LayerView):
     @property
     def geometry(self) -> LayerGeometry:
         """Heads from the attention's q/k rows (``attention_heads``), channels from the MLP's gate rows."""
-        n_heads, n_kv_heads = attention_heads(self.layer.self_attn, self.FAMILY)
-        return LayerGeometry(n_heads, n_kv_heads, self.layer.self_attn.head_dim, mlp_channels(self.layer.mlp, self.FAMILY))
+        attn = self.layer.self_attn
+        n_heads, n_kv_heads = attention_heads(attn, self.FAMILY)
+        return LayerGeometry(n_heads, n_kv_heads, attn.head_dim, mlp_channels(self.layer.mlp, self.FAMILY))
 
     def prune_heads(self, kept_heads: Tensor, kept_kv_heads: Tensor, weight: Tensor, bias: Tensor | None = None,
                     *, physical: bool = True) -> None:

@@ -9,9 +9,9 @@ compensated weight over the kept columns, and a bias when one is given.
 ``physical=True`` slices the weights, so shapes shrink; ``physical=False`` keeps every shape, zeroes
 what pruning would remove and writes the compensated weight into the kept columns: the reference for the
 physical version, and the ``--unstr``-style model. Both go through one helper, ``rewrite``. Which
-linears play which part (a fused projection's rows are ``stacked``), and the module attributes that follow
-the new counts, are the family's (``rcpu_bench.model.llama``); the model's config is left as it was, so read head counts from
-``rcpu_bench.model.views.LayerGeometry``.
+linears play which part (a fused projection's rows are ``stacked``), and the module attributes that
+follow the new counts, are the family's (``rcpu_bench.model.llama``); the model's config is left as it
+was, so read head counts from ``rcpu_bench.model.views.LayerGeometry``.
 
 Index tensors must be 1-D, non-empty, strictly increasing and in range. Weights and biases keep the
 dtype and device of the module they replace.

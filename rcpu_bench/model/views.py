@@ -6,7 +6,8 @@ heads of ``head_dim``; and ``"mlp"``, whose consumer is the down projection, one
 channel. The *producers* are the projections whose output rows go with those columns (methods-spec §3.1):
 query, key and value rows for a head or key/value group, gate and up rows for a channel.
 
-A family (``rcpu_bench.model.llama``, the Llama-like base of ``rcpu_bench.model.families``) subclasses ``LayerView`` and ``ModelView`` and names its modules;
+A family (``rcpu_bench.model.llama``, the Llama-like base of ``rcpu_bench.model.families``) subclasses
+``LayerView`` and ``ModelView`` and names its modules;
 ``rcpu_bench.model.adapter`` lists the families. Everything else here (geometry, units, their parameter
 cost, applying a selection) follows from the projections' current shapes, because layers differ after
 pruning.
