@@ -50,7 +50,6 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]
-    features: str  # the shape features the family needs (README table)
     attention_producers: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # one name: fused q|k|v rows
     mlp_producers: tuple[str, ...] = ("gate_proj", "up_proj")  # one name: fused gate|up rows
     pre_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
@@ -96,8 +95,8 @@ def config_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-LLAMA = Family("Llama", ("llama", RcpuLlamaConfig.model_type),
-               "GQA, llama3 rope scaling, tied or untied embeddings, optional attention_bias / mlp_bias")
+# Llama 1/2/3.x: GQA, llama3 rope scaling, tied or untied embeddings, optional attention_bias / mlp_bias.
+LLAMA = Family("Llama", ("llama", RcpuLlamaConfig.model_type))
 
 
 def _linear_problem(block: nn.Module | None, block_name: str, names: tuple[str, ...]) -> str | None:

@@ -11,7 +11,5 @@ from rcpu_bench.model.llama import Family
 
 _SANDWICH = dict(pre_norms=("input_layernorm", "pre_feedforward_layernorm"),
                  post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
-GEMMA2 = Family("Gemma2", ("gemma2",), "GQA, sandwich norms, logit soft-capping, GeGLU, tied embeddings",
-                **_SANDWICH)
-GEMMA3 = Family("Gemma3", ("gemma3_text",), "GQA, sandwich norms, per-head q/k norms, local/global layers, "
-                "GeGLU, tied embeddings", head_norms=("q_norm", "k_norm"), **_SANDWICH)
+GEMMA2 = Family("Gemma2", ("gemma2",), **_SANDWICH)
+GEMMA3 = Family("Gemma3", ("gemma3_text",), head_norms=("q_norm", "k_norm"), **_SANDWICH)

@@ -2,4 +2,4 @@
 
 from rcpu_bench.model.llama import Family
 
-MISTRAL = Family("Mistral", ("mistral",), "GQA, sliding-window attention")
+MISTRAL = Family("Mistral", ("mistral",))

@@ -8,8 +8,8 @@ so it acts per head.
 
 from rcpu_bench.model.llama import Family
 
-OLMO = Family("OLMo", ("olmo",), "parameter-free LayerNorms, clip_qkv")
-OLMO2 = Family("OLMo2", ("olmo2",), "post-norms only, q/k RMSNorms over all heads (MLP pruning only)",
+OLMO = Family("OLMo", ("olmo",))
+OLMO2 = Family("OLMo2", ("olmo2",),
                pre_norms=(), post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
                head_norms=("q_norm", "k_norm"),
                head_pruning_refused="its q_norm / k_norm normalise all heads together, so removing a head changes "

@@ -7,5 +7,5 @@ own count (``rcpu_bench.model.llama.ConfigOverride``).
 
 from rcpu_bench.model.llama import Family
 
-PHI3 = Family("Phi3", ("phi3",), "fused qkv_proj and gate_up_proj, GQA", attention_producers=("qkv_proj",),
+PHI3 = Family("Phi3", ("phi3",), attention_producers=("qkv_proj",),
               mlp_producers=("gate_up_proj",), counts_in_config=True)
