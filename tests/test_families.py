@@ -264,3 +264,26 @@ def test_olmo2_head_pruning_is_refused_from_the_config_alone(tmp_path):
     with pytest.raises(ValueError, match="cannot prune attention of Olmo2ForCausalLM"):
         load_config(str(tmp_path), prune=("attention", "mlp"))
     assert load_config(str(tmp_path), prune=("mlp",))[0].model_type == "olmo2"
+
+
+def test_stacked_rows_index_each_segment_of_a_fused_matrix():
+    from rcpu_bench.model.surgery import stacked
+    from rcpu_bench.selection.select import Selection
+
+    q = Selection(torch.tensor([0, 2]), torch.tensor([1, 3]))
+    kv = Selection(torch.tensor([1]), torch.tensor([0]))
+    rows = stacked(q, kv, kv)  # q has 4 rows, k and v 2 each: 8 rows
+    assert rows.kept.tolist() == [0, 2, 5, 7] and rows.pruned.tolist() == [1, 3, 4, 6]
+
+
+def test_a_pruned_phi3_copies_and_follows_the_models_attention_implementation():
+    """Phi-3's pruned attention reads its own head count, everything else from the model's shared config."""
+    model = build("phi3")
+    prune(model, "phi3", compensator="ridge")
+    copied, tokens = copy.deepcopy(model), ids(seed=1)
+    torch.testing.assert_close(logits(copied, tokens), logits(model, tokens), atol=0, rtol=0)
+    attn = model.model.layers[0].self_attn
+    assert attn.config.num_attention_heads == 4 and model.config.num_attention_heads == HEADS
+    model.set_attn_implementation("sdpa")
+    assert attn.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(logits(model, tokens), logits(copied, tokens), atol=1e-5, rtol=0)
