@@ -99,7 +99,7 @@ for directory, kind in cases.items():  # uniform: no remote code at all; per_lay
     trust = {"trust_remote_code": True} if kind == "per_layer" else {}
     torch.save(run(directory, **trust), Path(directory) / "stock.pt")
 assert not any(name.startswith("rcpu_bench") for name in sys.modules), "rcpu_bench was imported"
-import rcpu_bench  # registers the per-layer format: plain from_pretrained, no remote code
+import rcpu_bench.model  # registers the per-layer format: plain from_pretrained, no remote code
 for directory, kind in cases.items():
     torch.save(run(directory, trust_remote_code=False), Path(directory) / "registered.pt")
 """

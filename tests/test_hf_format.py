@@ -1,6 +1,6 @@
 """Saved pruned models load with stock transformers / lm-eval, bit-exactly: plain Llama configs where the
 pruned shape allows one, else the per-layer format (rcpu_bench.model.hf_format): the package's registered
-classes where rcpu_bench is imported, the source written beside the weights (remote code) elsewhere.
+classes where rcpu_bench.model is imported, the source written beside the weights (remote code) elsewhere.
 (Every family: test_family_save.py.)"""
 
 import json

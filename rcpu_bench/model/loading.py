@@ -27,7 +27,7 @@ from transformers import (
 )
 from transformers.utils.hub import cached_file, extract_commit_hash
 
-from rcpu_bench.model.adapter import check_architecture, supported
+from rcpu_bench.model.adapter import check_architecture, check_prunable, supported
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
                                   "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,8 +110,9 @@ def check_remote_code(name: str, config_file: str | Path, trust_remote_code: boo
                          "(trust_remote_code=True) to allow it")
 
 
-def _check_supported(config: PretrainedConfig, trust_remote_code: bool) -> None:
-    """Build a weightless (meta) skeleton of ``config``'s causal LM and check its shape."""
+def _check_supported(config: PretrainedConfig, trust_remote_code: bool, prune: tuple[str, ...] = ()) -> None:
+    """Build a weightless (meta) skeleton of ``config``'s causal LM and check its shape, and that its ``prune``
+    modules can be pruned exactly (``adapter.check_prunable``)."""
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     try:
         with torch.device("meta"):
@@ -120,21 +121,23 @@ def _check_supported(config: PretrainedConfig, trust_remote_code: bool) -> None:
         raise ValueError(f"unsupported architecture {architecture}: no causal-LM model for this config; "
                          f"supported: {supported()}") from None
     check_architecture(skeleton)
+    check_prunable(skeleton, prune)
 
 
 def load_config(name_or_path: str, revision: str | None = None, *,
-                trust_remote_code: bool = False) -> tuple[PretrainedConfig, str | None]:
-    """The model's config, checked on a weightless skeleton, and the Hub commit it came from (None if local).
+                prune: tuple[str, ...] = (), trust_remote_code: bool = False) -> tuple[PretrainedConfig, str | None]:
+    """The model's config, checked on a weightless skeleton (its ``prune`` modules too), and the Hub commit it came
+    from (None if local).
 
     Code shipped with the model runs only with ``trust_remote_code``; without it such a model raises ValueError
-    (transformers' own message), never a prompt. rcpu-bench's per-layer saved format needs none.
+    (``check_remote_code``), never a prompt. rcpu-bench's per-layer saved format needs none.
     """
     source = model_source(name_or_path)
     config_file = cached_file(source, "config.json", revision=revision)
     check_remote_code(name_or_path, config_file, trust_remote_code)
     commit = extract_commit_hash(config_file, None)
     config = AutoConfig.from_pretrained(source, revision=commit or revision, trust_remote_code=trust_remote_code)
-    _check_supported(config, trust_remote_code)
+    _check_supported(config, trust_remote_code, prune)
     return config, commit
 
 

@@ -8,7 +8,7 @@ A pruned model is saved as a directory with
   counts and an explicit head_dim when it builds exactly the saved shapes (every layer alike, biases as the
   family has them): then ``AutoModelForCausalLM.from_pretrained(directory)`` loads it with no remote code.
   Otherwise an ``RcpuPrunedConfig`` (``rcpu_bench.model.hf_format``): the family's config plus per-layer
-  counts and added biases, loaded by the package's classes (registered when rcpu_bench is imported), or,
+  counts and added biases, loaded by the package's classes (registered when rcpu_bench.model is imported), or,
   without rcpu-bench, by the source written beside it with ``trust_remote_code=True``;
 - ``rcpu_manifest.json``: the shape of every layer (query/kv heads, head size, intermediate size,
   o_proj/down_proj biases), the parameter count, the kind of config written, the method and the provenance;
@@ -34,23 +34,26 @@ from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from safetensors.torch import load_model, save_file
+from safetensors.torch import load_model as load_weights
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from rcpu_bench.matrix.records import library_versions
 from rcpu_bench.model.adapter import layer_geometries, model_view
 from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, format_2_per_layer_config, write_per_layer_config
 from rcpu_bench.model.loading import (
     LoadedModel,
     check_remote_code,
     dtype_argument,
+    load_config,
+    load_model,
+    model_source,
     parameter_count,
     resolve_device,
     resolve_dtype,
 )
-from rcpu_bench.model.views import LayerView
-from rcpu_bench.pruning.methods import MODULES
+from rcpu_bench.model.views import MODULES, LayerView
+from rcpu_bench.records import library_versions
 
 FORMAT = "rcpu-bench-pruned"
 FORMAT_VERSION = 3
@@ -92,8 +95,9 @@ def model_card(manifest: dict, record: dict | None = None) -> str:
                "per_layer": ["`per_layer`: the layers have their own widths (or a bias the family lacks), which the "
                              "family's own config cannot describe, so config.json is an `RcpuPrunedConfig`: the "
                              f"family's config (model_type `{family}`) plus per-layer counts.",
-                             "Load with `AutoModelForCausalLM.from_pretrained(directory)` after `import rcpu_bench` "
-                             "(which registers the format: no remote code, no prompt), or without rcpu-bench with "
+                             "Load with `AutoModelForCausalLM.from_pretrained(directory)` after "
+                             "`import rcpu_bench.model` (which registers the format: no remote code, no prompt), "
+                             "or without rcpu-bench with "
                              "`trust_remote_code=True` (transformers runs `modeling_rcpu_pruned.py` from this "
                              "directory)."]}
     lines = ["# Pruned model (rcpu-bench)", "", f"Pruned from `{source}` by rcpu-bench.", "",
@@ -375,7 +379,7 @@ def materialize(skeleton: PreTrainedModel, directory: Path, weights: str, expect
     skeleton.to_empty(device=torch_device)
     skeleton.init_weights()  # re-ties the embeddings (the weights themselves are overwritten below)
     recompute_rotary(skeleton)
-    load_model(skeleton, directory / weights, strict=True, device=str(torch_device))
+    load_weights(skeleton, directory / weights, strict=True, device=str(torch_device))
     count = parameter_count(skeleton)
     if count != expected_count:
         raise ValueError(f"the rebuilt model has {count} parameters; the manifest says {expected_count}")
@@ -422,3 +426,31 @@ def load_saved(directory: str | os.PathLike, *, dtype: str = "float32", device: 
     if method.load is None:
         raise ValueError(f"the model method {method.name!r} ({method.provider}) registered no load function")
     return method.load(directory, dtype=dtype, device=device)
+
+
+def pruned_directory(name: str) -> Path | None:
+    """``name`` as a directory written by ``save_pruned`` (it has a manifest), or None."""
+    path = Path(name).expanduser()
+    return path if (path / MANIFEST).is_file() else None
+
+
+def check_model_argument(name: str, revision: str | None, trust_remote_code: bool = False) -> None:
+    """Reject a missing path, a pruned directory without tokenizer, an unsupported model, or code shipped with the
+    model without ``trust_remote_code``, before loading."""
+    directory = pruned_directory(model_source(name))
+    if directory is None:
+        load_config(name, revision, trust_remote_code=trust_remote_code)
+        return
+    read_saved_config(directory, read_manifest(directory), trust_remote_code=trust_remote_code)
+    if not (directory / "tokenizer_config.json").is_file():
+        raise ValueError(f"{directory} has no tokenizer (save_pruned was called without one)")
+
+
+def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str,
+                        trust_remote_code: bool = False) -> LoadedModel:
+    """``load_saved`` for a directory written by save_pruned (or a model method), else ``load_model``; code shipped
+    with the model runs only with ``trust_remote_code``."""
+    directory = pruned_directory(name)
+    if directory is not None:
+        return load_saved(directory, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    return load_model(name, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)

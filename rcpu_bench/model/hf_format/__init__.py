@@ -4,9 +4,10 @@ A pruned model whose layers the family's own config can describe (all layers ali
 has them) is saved with that config (``LlamaConfig``, ``Qwen2Config``, ...). Otherwise (per-layer widths, as
 FLAP's AL-AM structure gives, or an o_proj / down_proj bias the family lacks, as FLAP's bias compensation
 gives) config.json is an ``RcpuPrunedConfig``: the family's config plus per-layer lists, whose ``auto_map``
-names the two source files of this package, written beside the weights. Importing rcpu_bench registers
-these classes with ``AutoConfig`` / ``AutoModelForCausalLM``, so that such a directory loads with plain
-``from_pretrained`` and no remote code (and no trust prompt); elsewhere ``trust_remote_code=True`` builds it
+names the two source files of this package, written beside the weights. Importing rcpu_bench.model (not the
+lazy top package, which loads no model library) registers these classes with ``AutoConfig`` /
+``AutoModelForCausalLM``, so that such a directory loads with plain ``from_pretrained`` and no remote code (and
+no trust prompt); elsewhere ``trust_remote_code=True`` builds it
 with transformers alone. One pair of files serves every family: the model class built is the family's own,
 with each decoder layer rebuilt by the family's layer class at its widths.
 
