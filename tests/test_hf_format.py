@@ -211,7 +211,7 @@ def test_model_code_is_refused_without_the_flag_before_any_work(tmp_path, capsys
     plant_remote_code(tmp_path / "m", tmp_path / "marker")
     assert main([*command, "--model", str(tmp_path / "m")]) == 2
     error = capsys.readouterr().err.splitlines()[-1]  # one line (after any progress bars)
-    assert error.startswith("rcpu-bench: error: model ") and "pass --trust-remote-code" in error
+    assert error.startswith(f"rcpu-bench {command[0]}: error: model ") and "pass --trust-remote-code" in error
     assert not (tmp_path / "marker").exists()
 
 
@@ -225,8 +225,9 @@ def test_code_in_a_saved_directory_runs_only_with_trust_remote_code(tmp_path, ca
         load_pruned(tmp_path / "m")
     argv = ["generate", "--model", str(tmp_path / "m"), "--max-new-tokens", "2"]
     assert main(argv) == 2  # a one-line error before loading, no prompt
-    assert "rcpu-bench: error:" in capsys.readouterr().err and not marker.exists()
-    assert main([*argv, "--trust-remote-code"]) == 0 and marker.read_text() == "ran"
+    assert "rcpu-bench generate: error: model " in capsys.readouterr().err and not marker.exists()
+    assert main([*argv, "--trust-remote-code"]) == 2 and marker.read_text() == "ran"  # the code ran: its class
+    assert "unsupported architecture EvilForCausalLM" in capsys.readouterr().err  # then fails the family check
 
 
 @needs_stories
