@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from typing import Any
 
 from tabulate import tabulate
@@ -24,6 +25,7 @@ from rcpu_bench.matrix.experiment import (
 )
 from rcpu_bench.matrix.records import append_record
 from rcpu_bench.model.loading import add_model_options
+from rcpu_bench.paths import check_output_file
 from rcpu_bench.pruning import options
 from rcpu_bench.registry import default_registry
 from rcpu_bench.tables import plots, tables
@@ -57,16 +59,17 @@ def cmd_prune(args: argparse.Namespace) -> int:
     experiment = Experiment(model=args.model or default_model(), prune=config, calib=args.calib,
                             ppl_profiles=tuple(args.ppl), revision=args.revision, dtype=args.dtype, device=args.device,
                             eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
-    try:
-        experiment.validate(default_registry())
+    try:  # run_experiment validates everything it can before loading; a non-finite model fails at loading
+        if args.out:
+            check_output_file(args.out, "--out file")
+        record = run_experiment(experiment, progress=not args.quiet,
+                                keep_record=partial(append_record, args.out) if args.out else None)
     except (ValueError, KeyError, OSError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"rcpu-bench: error: {message}", file=sys.stderr)
         return 2
-    record = run_experiment(experiment, progress=not args.quiet)
     print(_summary(record))
     if args.out:
-        append_record(args.out, record)
         print(f"record appended to {args.out}")
     if args.save:
         print(f"pruned model saved to {args.save}")
@@ -85,7 +88,7 @@ def _add_prune_parser(commands) -> None:
     p.add_argument("--ppl", action="append", default=None, metavar="PROFILE",
                    help="perplexity profile(s): rcpu128, std2048, tinystories, tinystories[START:STOP] "
                         "(default: rcpu128)")
-    p.add_argument("--eval-batch-size", type=int, default=8)
+    p.add_argument("--eval-batch-size", type=options.positive_int, default=8)
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--save", metavar="DIR", help="save the pruned model (safetensors + shape manifest)")
     p.add_argument("--out", metavar="JSONL", help="append the result record to this file")

@@ -17,14 +17,16 @@ from rcpu_bench.matrix.records import append_record, library_versions
 from rcpu_bench.model.loading import (
     LoadedModel,
     add_model_options,
+    check_device,
     load_config,
     load_model,
+    load_tokenizer,
     model_source,
     parameter_count,
-    resolve_device,
     resolve_dtype,
 )
 from rcpu_bench.model.persistence import MANIFEST, load_saved, read_manifest
+from rcpu_bench.pruning.options import positive_int
 
 
 def _with_stderr(task: dict[str, Any], stat: str) -> str:
@@ -84,7 +86,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                    help="write lm-eval's results JSON here (a directory, or a .json file), as lm-eval does")
     p.add_argument("--log-samples", action="store_true",
                    help="also write every document, prompt and response under --output-path (lm-eval's samples)")
-    p.add_argument("--eval-batch-size", type=int, default=16, help="sequences per lm-eval forward pass")
+    p.add_argument("--eval-batch-size", type=positive_int, default=16, help="sequences per lm-eval forward pass")
     p.add_argument("--source", choices=SOURCES, default="auto",
                    help="data of the seven paper tasks: local files, the hub's datasets, or the hub when "
                    "reachable else local")
@@ -107,7 +109,8 @@ def check_model_argument(name: str, revision: str | None) -> None:
     """Reject a missing path, a pruned directory without tokenizer, or an unsupported model, before loading."""
     directory = pruned_directory(model_source(name))
     if directory is None:
-        load_config(name, revision)
+        _, commit = load_config(name, revision)
+        load_tokenizer(model_source(name), commit or revision)
         return
     read_manifest(directory)
     if not (directory / "tokenizer_config.json").is_file():
@@ -118,7 +121,7 @@ def check_models(names: list[str], args: argparse.Namespace) -> None:
     """Reject a bad ``--dtype`` or ``--device`` and any bad model argument (:func:`check_model_argument`), before
     anything is loaded: what every command that loads models checks first."""
     resolve_dtype(args.dtype)
-    resolve_device(args.device)
+    check_device(args.device)
     for name in names:
         check_model_argument(name, args.revision)
 
@@ -140,10 +143,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.eval_batch_size,
                              source=args.source, metric_map=args.metric_map, num_fewshot=args.num_fewshot,
                              include_path=args.include_path)
+        loaded = load_saved_or_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device)
     except (ValueError, OSError) as error:
         print(f"rcpu-bench: error: {error}", file=sys.stderr)
         return 2
-    loaded = load_saved_or_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device)
     result = run_zeroshot(loaded.model, loaded.tokenizer, plan, log_samples=args.log_samples,
                           output_path=args.output_path, model_name=args.model)
     print(format_table(result))

@@ -76,11 +76,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
         check_models(names, args)
+        models = [load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device)
+                  for name in names]
     except (ValueError, OSError) as error:
         print(f"rcpu-bench: error: {error}", file=sys.stderr)
         return 2
-    models = [load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device)
-              for name in names]
     width = max(len(name) for name in names)
     for prompt in args.prompt or [SAMPLE_PROMPT]:
         print(f"prompt: {prompt}")

@@ -18,6 +18,7 @@ import torch
 
 from rcpu_bench import console
 from rcpu_bench.model.loading import add_model_options
+from rcpu_bench.pruning.options import positive_int
 
 BATCH_SIZE = 1
 PROMPT_TOKENS = 128
@@ -97,10 +98,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", metavar="DIR_OR_ID",
                    help="saved pruned directory, model directory or hub id (repeatable; default: the "
                    "stories260K-mha fixture in the shared directory)")
-    p.add_argument("--eval-batch-size", type=int, default=BATCH_SIZE, help="sequences per timed forward pass")
-    p.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
-    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-    p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--eval-batch-size", type=positive_int, default=BATCH_SIZE, help="sequences per timed forward pass")
+    p.add_argument("--prompt-tokens", type=positive_int, default=PROMPT_TOKENS)
+    p.add_argument("--new-tokens", type=positive_int, default=NEW_TOKENS)
+    p.add_argument("--repeats", type=positive_int, default=REPEATS)
     add_model_options(p)
     console.add_quiet_option(p)
     p.set_defaults(func=cmd_speed)
@@ -125,8 +126,8 @@ def cmd_speed(args: argparse.Namespace) -> int:
         return 2
     rows = []
     for name in names:
-        model = load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device).model
         try:
+            model = load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device).model
             speed = inference_speed(model, batch_size=args.eval_batch_size, prompt_tokens=args.prompt_tokens,
                                     new_tokens=args.new_tokens, repeats=args.repeats)
         except ValueError as error:

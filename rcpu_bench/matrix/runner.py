@@ -49,7 +49,10 @@ from rcpu_bench.matrix.store import (
     matrix_results_dir,
     read_results,
 )
-from rcpu_bench.model.loading import load_config
+from rcpu_bench.model.adapter import layer_geometries
+from rcpu_bench.model.loading import load_config, model_skeleton
+from rcpu_bench.model.views import LayerGeometry
+from rcpu_bench.paths import check_output_dir
 from rcpu_bench.pruning.pipeline import PruneConfig
 from rcpu_bench.registry import Registry, default_registry
 from rcpu_bench.tables import plots
@@ -68,17 +71,24 @@ def preflight(cells: list[Cell], registry: Registry) -> None:
     """Every check that needs no model weights, before the first cell runs.
 
     ``expand`` validated each cell's PruneConfig; here each distinct setting of the rest of the
-    experiment (model, calibration, profiles, dtype, device) is validated once with Experiment.validate,
-    and the zero-shot tasks' data once when a cell asks for them.
+    experiment (model, calibration and hold-out count, profiles, dtype, device) is validated once with
+    Experiment.validate, each cell's ratio against its model's unit counts, and the zero-shot tasks' data once
+    when a cell asks for them.
     """
     validated: set[str] = set()
+    geometries: dict[tuple[str, str | None], list[LayerGeometry]] = {}
     for cell in cells:
         try:
             experiment = cell.experiment()
-            setting = json.dumps(replace(experiment, prune=PruneConfig()).to_dict(), sort_keys=True, default=str)
+            held_out = PruneConfig(holdout=experiment.prune.holdout)  # checked against the source per setting
+            setting = json.dumps(replace(experiment, prune=held_out).to_dict(), sort_keys=True, default=str)
             if setting not in validated:
                 experiment.validate(registry)
                 validated.add(setting)
+            model = (experiment.model, experiment.revision)
+            if model not in geometries:
+                geometries[model] = layer_geometries(model_skeleton(load_config(*model)[0]))
+            experiment.prune.check_units(geometries[model])
         except (ValueError, KeyError, OSError) as error:
             where = f"cell {cell.id} ({cell.describe()}, model {cell.model})"
             raise MatrixError(f"{where}: {error_message(error)}") from None
@@ -247,6 +257,7 @@ def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local",
     λ_best, after every cell of their group has its perplexity (two phases, rcpu_bench.matrix.phases).
     """
     registry = registry or default_registry()
+    check_output_dir(results_dir, "results directory")
     cells = expand(matrix, registry)
     preflight(cells, registry)
     cell_runner = make_executor(executor, ray_address=ray_address)
@@ -333,7 +344,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             hf_logging.disable_progress_bar()
         summary = run_matrix(matrix, results, executor=args.executor, resume=args.resume, progress=not args.quiet,
                              ray_address=args.ray_address, announce=print)
-    except (MatrixError, StoreBusyError, ImportError) as error:
+    except (ValueError, StoreBusyError, ImportError) as error:  # ValueError: a MatrixError or a bad --results
         print(f"rcpu-bench: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
