@@ -27,7 +27,7 @@ from rcpu_bench.matrix.records import append_record
 from rcpu_bench.model.loading import add_model_options
 from rcpu_bench.paths import check_output_file
 from rcpu_bench.pruning import options
-from rcpu_bench.registry import default_registry
+from rcpu_bench.registry import PluginContractError, default_registry
 from rcpu_bench.tables import plots, tables
 
 
@@ -64,7 +64,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             check_output_file(args.out, "--out file")
         record = run_experiment(experiment, progress=not args.quiet,
                                 keep_record=partial(append_record, args.out) if args.out else None)
-    except (ValueError, KeyError, OSError) as error:
+    except (ValueError, KeyError, OSError, PluginContractError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"rcpu-bench: error: {message}", file=sys.stderr)
         return 2
