@@ -24,6 +24,7 @@ from rcpu_bench.model.loading import (
     model_skeleton,
     model_source,
     parameter_count,
+    resolve_device,
     resolve_dtype,
 )
 from rcpu_bench.model.persistence import save_pruned
@@ -55,13 +56,15 @@ class Experiment:
     data_dir: str | None = None
     save_dir: str | None = None
 
-    def validate(self, registry: Registry) -> None:
+    def validate(self, registry: Registry, *, here: bool = True) -> None:
         """Every check before the model is loaded: names and ranges, the device, the model's files and unit counts
         against the ratio, the calibration and held-out windows its tokenizer cuts from the source, the profiles'
-        data and the --save destination. Each failure is a one-line ValueError or OSError naming the bad value."""
+        data and the --save destination. Each failure is a one-line ValueError or OSError naming the bad value.
+        ``here=False`` (the experiment runs elsewhere, on a Ray worker) checks the device's name, not that it exists.
+        """
         self.prune.validate(registry)
         resolve_dtype(self.dtype)
-        check_device(self.device)
+        (check_device if here else resolve_device)(self.device)
         if self.eval_batch_size < 1:
             raise ValueError(f"eval_batch_size={self.eval_batch_size} is not allowed; allowed: an integer >= 1")
         config, commit = load_config(self.model, self.revision)

@@ -67,13 +67,14 @@ from rcpu_bench.tables.table import percent
 DEFAULT_CELL_SECONDS = ((10e6, 6.0), (1.5e9, 300.0), (10e9, 900.0), (float("inf"), 1800.0))
 
 
-def preflight(cells: list[Cell], registry: Registry) -> None:
+def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> None:
     """Every check that needs no model weights, before the first cell runs.
 
     ``expand`` validated each cell's PruneConfig; here each distinct setting of the rest of the
     experiment (model, calibration and hold-out count, profiles, dtype, device) is validated once with
     Experiment.validate, each cell's ratio against its model's unit counts, and the zero-shot tasks' data once
-    when a cell asks for them.
+    when a cell asks for them. ``here``: the cells run in this process, so their device must exist here (not so
+    for a Ray cluster's workers).
     """
     validated: set[str] = set()
     geometries: dict[tuple[str, str | None], list[LayerGeometry]] = {}
@@ -83,7 +84,7 @@ def preflight(cells: list[Cell], registry: Registry) -> None:
             held_out = PruneConfig(holdout=experiment.prune.holdout)  # checked against the source per setting
             setting = json.dumps(replace(experiment, prune=held_out).to_dict(), sort_keys=True, default=str)
             if setting not in validated:
-                experiment.validate(registry)
+                experiment.validate(registry, here=here)
                 validated.add(setting)
             model = (experiment.model, experiment.revision)
             if model not in geometries:
@@ -259,7 +260,7 @@ def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local",
     registry = registry or default_registry()
     check_output_dir(results_dir, "results directory")
     cells = expand(matrix, registry)
-    preflight(cells, registry)
+    preflight(cells, registry, here=executor == "local")
     cell_runner = make_executor(executor, ray_address=ray_address)
     plan = plan_phases(cells)
     store = Store(results_dir)

@@ -159,7 +159,8 @@ def load_tokenizer(source: str, revision: str | None = None) -> PreTrainedTokeni
 
 
 def load_config(name_or_path: str, revision: str | None = None) -> tuple[PretrainedConfig, str | None]:
-    """The model's config, checked on a weightless skeleton, and the Hub commit it came from (None if local)."""
+    """The model's config, checked on a weightless skeleton (a local directory: its weight files too), and the Hub
+    commit it came from (None if local)."""
     source = model_source(name_or_path)
     commit = extract_commit_hash(cached_file(source, "config.json", revision=revision), None)
     config = AutoConfig.from_pretrained(source, revision=commit or revision)
