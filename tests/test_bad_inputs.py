@@ -76,11 +76,17 @@ def test_prune_refuses_bad_options_before_loading(args, needles, capsys, no_load
     assert_one_line_error(*run(["prune", "--model", str(STORIES_MHA), *QUICK, *args], capsys), *needles)
 
 
-@pytest.mark.parametrize("command", [["eval", "--tasks", "piqa"], ["speed"]])
+@pytest.mark.parametrize("option", ["--eval-batch-size", "--prompt-tokens", "--new-tokens", "--repeats"])
 @pytest.mark.parametrize("value", ["0", "-1", "two"])
-def test_batch_sizes_must_be_positive(command, value, capsys, no_loading):
-    code, err = run([*command, "--eval-batch-size", value], capsys)
-    assert_one_line_error(code, err, f"--eval-batch-size: {value!r} is not allowed; allowed: an integer >= 1")
+def test_speed_counts_must_be_positive(option, value, capsys, no_loading):
+    code, err = run(["speed", option, value], capsys)
+    assert_one_line_error(code, err, f"{option}: {value!r} is not allowed; allowed: an integer >= 1")
+
+
+@needs_stories
+def test_eval_batch_size_must_be_positive(capsys, no_loading):
+    code, err = run(["eval", "--model", str(STORIES_MHA), "--tasks", "piqa", "--eval-batch-size", "0"], capsys)
+    assert_one_line_error(code, err, "batch size must be a positive integer")
 
 
 @pytest.mark.slow

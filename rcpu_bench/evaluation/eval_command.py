@@ -26,7 +26,6 @@ from rcpu_bench.model.loading import (
     resolve_dtype,
 )
 from rcpu_bench.model.persistence import MANIFEST, load_saved, read_manifest
-from rcpu_bench.pruning.options import positive_int
 
 
 def _with_stderr(task: dict[str, Any], stat: str) -> str:
@@ -86,7 +85,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                    help="write lm-eval's results JSON here (a directory, or a .json file), as lm-eval does")
     p.add_argument("--log-samples", action="store_true",
                    help="also write every document, prompt and response under --output-path (lm-eval's samples)")
-    p.add_argument("--eval-batch-size", type=positive_int, default=16, help="sequences per lm-eval forward pass")
+    p.add_argument("--eval-batch-size", type=int, default=16, help="sequences per lm-eval forward pass")
     p.add_argument("--source", choices=SOURCES, default="auto",
                    help="data of the seven paper tasks: local files, the hub's datasets, or the hub when "
                    "reachable else local")
