@@ -84,6 +84,14 @@ def test_speed_counts_must_be_positive(option, value, capsys, no_loading):
 
 
 @needs_stories
+def test_generate_refuses_more_tokens_than_the_context_holds(capsys):
+    code, err = run(["generate", "--model", str(STORIES_MHA), "--prompt", "Once", "--max-new-tokens", "100000"],
+                    capsys)
+    assert_one_line_error(code, err, "max_new_tokens=100000 exceed the model's max_position_embeddings 512",
+                          "allowed: max_new_tokens <= 510")  # "Once" is BOS + one token
+
+
+@needs_stories
 def test_eval_batch_size_must_be_positive(capsys, no_loading):
     code, err = run(["eval", "--model", str(STORIES_MHA), "--tasks", "piqa", "--eval-batch-size", "0"], capsys)
     assert_one_line_error(code, err, "batch size must be a positive integer")
