@@ -15,6 +15,7 @@ from tabulate import tabulate
 
 from rcpu_bench import __version__, console
 from rcpu_bench.evaluation import eval_command, generation, speed
+from rcpu_bench.export import export_command
 from rcpu_bench.matrix import runner
 from rcpu_bench.matrix.experiment import (
     DEFAULT_CALIB,
@@ -59,7 +60,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
                             eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
     try:
         experiment.validate(default_registry())
-    except (ValueError, KeyError, OSError) as error:
+        if args.export_gguf:
+            if not args.save:
+                raise ValueError("--export-gguf needs --save DIR (the GGUF file is written from the saved model)")
+            export_command.check_export(args.model or default_model(), args.export_gguf, args.gguf_outtype,
+                                        check_model=False)
+    except (ValueError, KeyError, OSError, ImportError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"rcpu-bench: error: {message}", file=sys.stderr)
         return 2
@@ -70,6 +76,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print(f"record appended to {args.out}")
     if args.save:
         print(f"pruned model saved to {args.save}")
+    if args.export_gguf:
+        print(export_command.describe(export_command.export_model(args.save, args.export_gguf, args.gguf_outtype)))
     return 0
 
 
@@ -89,6 +97,7 @@ def _add_prune_parser(commands) -> None:
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--save", metavar="DIR", help="save the pruned model (safetensors + shape manifest)")
     p.add_argument("--out", metavar="JSONL", help="append the result record to this file")
+    export_command.add_prune_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_prune)
 
@@ -108,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins_parser = commands.add_parser("plugins", help="list registered scorers, compensators and model methods")
     plugins_parser.set_defaults(func=cmd_plugins)
     _add_prune_parser(commands)
-    for module in (runner, tables, plots, eval_command, generation, speed):
+    for module in (runner, tables, plots, eval_command, generation, speed, export_command):
         module.add_parser(commands)
     return parser
 

@@ -75,8 +75,8 @@ def test_merge_scores_rank_the_first_merge_of_each_token():
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 0.0), ("float16", 1e-3), ("bfloat16", 8e-3),
                                               ("q8_0", 1e-2)])
 def test_per_layer_widths_keys_and_tensors_read_back(tmp_path, dtype, tolerance):
-    model = pruned_tiny() if dtype != "q8_0" else tiny_model(tiny_config(vocab=512, hidden=64, head_dim=16,
-                                                                          n_heads=4, n_kv_heads=2, intermediate=96, tie=False))
+    q8_0_shaped = tiny_config(vocab=512, hidden=64, head_dim=16, n_heads=4, n_kv_heads=2, intermediate=96, tie=False)
+    model = tiny_model(q8_0_shaped) if dtype == "q8_0" else pruned_tiny()
     path = tmp_path / "m.gguf"
     summary = export_gguf(model, stories_tokenizer(), path, dtype=dtype)
     fields, tensors = read(path)

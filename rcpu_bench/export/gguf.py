@@ -247,17 +247,3 @@ def export_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, dtype: s
     return {"path": str(target), "architecture": arch, "dtype": dtype, "tensors": len(tensors),
             "heads": widths.heads, "kv_heads": widths.kv_heads, "channels": widths.channels}
 
-
-def export_saved(directory: str | os.PathLike, path: str | os.PathLike, *, dtype: str = "float16",
-                 overwrite: bool = False) -> dict[str, Any]:
-    """Export a directory written by ``rcpu_bench.model.persistence.save_pruned`` (or a plain Llama checkpoint)."""
-    from rcpu_bench.model.loading import load_model
-    from rcpu_bench.model.persistence import MANIFEST, load_saved
-
-    check_dtype(dtype)
-    if Path(path).exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
-    saved = Path(directory) / MANIFEST
-    loaded = load_saved(directory) if saved.is_file() else load_model(str(directory), dtype="float32")
-    return export_gguf(loaded.model, loaded.tokenizer, path, dtype=dtype, name=Path(directory).name,
-                       overwrite=overwrite)
