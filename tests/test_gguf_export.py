@@ -154,3 +154,19 @@ def test_no_tokenizer_and_existing_file_are_refused(tmp_path):
     (tmp_path / "m.gguf").write_text("x")
     with pytest.raises(FileExistsError, match="already exists"):
         export_gguf(tiny_model(tiny_config()), None, tmp_path / "m.gguf")
+
+
+@needs_stories
+def test_export_command_writes_and_refuses(tmp_path, capsys):
+    from rcpu_bench.cli import main
+
+    out = tmp_path / "dense.gguf"
+    assert main(["export", "--format", "gguf", "--outtype", "bfloat16", str(STORIES), str(out)]) == 0
+    assert f"wrote {out} (llama architecture, bfloat16" in capsys.readouterr().out
+    assert main(["export", "--format", "gguf", str(STORIES), str(out)]) == 2
+    assert "already exists (pass --overwrite" in capsys.readouterr().err
+    assert main(["export", "--format", "gguf", str(tmp_path / "missing"), str(tmp_path / "x.gguf")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["prune", "--model", str(STORIES), "--export-gguf", str(tmp_path / "p.gguf")]) == 2
+    assert "--export-gguf needs --save DIR" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense.gguf"]
