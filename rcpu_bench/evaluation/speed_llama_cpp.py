@@ -26,16 +26,26 @@ def require_llama_cpp() -> Any:
     return llama_cpp
 
 
-def load_gguf(path: str | os.PathLike, *, n_ctx: int, threads: int | None = None, logits_all: bool = False) -> Any:
-    """A ``llama_cpp.Llama`` of the GGUF file at ``path`` on the CPU, its whole prompt decoded as one batch."""
+def load_gguf(path: str | os.PathLike, *, n_ctx: int, threads: int | None = None, logits_all: bool = False,
+              float32_cache: bool = False) -> Any:
+    """A ``llama_cpp.Llama`` of the GGUF file at ``path`` on the CPU, its whole prompt decoded as one batch.
+
+    ``float32_cache``: keys and values cached in float32 instead of llama.cpp's default float16 (for exact
+    comparisons; the timings use the default).
+    """
     llama_cpp = require_llama_cpp()
+    cache_type = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if float32_cache else {}
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
-                           n_threads_batch=threads, n_gpu_layers=0, logits_all=logits_all, verbose=False)
+                           n_threads_batch=threads, n_gpu_layers=0, logits_all=logits_all, verbose=False,
+                           **cache_type)
 
 
 def greedy_token(llm: Any) -> int:
-    """The highest-scoring next token after the tokens evaluated so far."""
-    return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    """The highest-scoring next token after the tokens evaluated so far (the last evaluated token's logits;
+    ``Llama.scores`` holds them only with ``logits_all``)."""
+    llama_cpp = require_llama_cpp()
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
 
 
 def prefill_and_decode(llm: Any, ids: list[int], new_tokens: int) -> tuple[float, float]:
