@@ -134,3 +134,16 @@ def test_llama_cpp_speed_fields(tmp_path):
     result = llama_cpp_speed(tmp_path / "m.gguf", prompt_tokens=16, new_tokens=4, repeats=2, threads=1)
     assert (result["prompt_tokens"], result["new_tokens"], result["repeats"], result["threads"]) == (16, 4, 2, 1)
     assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+
+
+@needs_stories
+def test_speed_command_times_both_engines(capsys):
+    from rcpu_bench.cli import main
+
+    common = ["speed", "--model", str(STORIES_MHA), "--prompt-tokens", "8", "--new-tokens", "2", "--repeats", "1",
+              "--quiet"]
+    assert main([*common, "--engine", "transformers", "--engine", "llama.cpp", "--threads", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(str(STORIES_MHA))]
+    assert [row[1] for row in rows] == ["transformers", "llama.cpp"] and rows[0][2] == rows[1][2] == "280,512"
+    assert main([*common, "--engine", "llama.cpp", "--eval-batch-size", "2"]) == 2
+    assert "llama.cpp is timed at batch 1 only" in capsys.readouterr().err
