@@ -21,7 +21,7 @@ from rcpu_bench.model.persistence import load_saved, save_pruned
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 
 pytest.importorskip("llama_cpp")
-pytest.importorskip("gguf")
+gguf = pytest.importorskip("gguf")
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
 NEW_TOKENS = 16
@@ -119,6 +119,24 @@ def test_stories_dense_uniform_and_al_am_match_through_a_saved_directory(tmp_pat
 
 @pytest.mark.slow
 @needs_stories
+@pytest.mark.parametrize("structure", ["uniform", "al-am"])
+def test_llama_3_2_1b_shaped_model_pruned_with_round_to_matches(tmp_path, structure):
+    """Llama-3.2-1B's shape (benchmarks/make_random_llama.py) at head size 4 and 2 layers: GQA 32/8 heads, tied
+    128,256-token embeddings (the stories vocabulary padded), RoPE θ = 500,000; pruned with round_to=64."""
+    from test_random_llama import make_random_llama
+
+    config = make_random_llama.llama_config("llama3.2-1b", scale=0.05, layers=2)
+    model = tiny_model(config, attn="sdpa")
+    calib = torch.randint(3, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+    options = {"structure": "al-am", "scorer": "flap-wifv", "compensator": "flap-bias"} if structure == "al-am" else {}
+    prune_model(model, calib, PruneConfig(ratio=0.3, round_to=64, **options), progress=False)
+    assert all(layer.mlp.gate_proj.out_features % 64 == 0 for layer in model.model.layers)
+    export_gguf(model, AutoTokenizer.from_pretrained(STORIES), tmp_path / "m.gguf", dtype="float32")
+    assert_same_model(model, tmp_path / "m.gguf", AutoTokenizer.from_pretrained(STORIES)(PROMPT)["input_ids"])
+
+
+@pytest.mark.slow
+@needs_stories
 def test_stories_al_am_float16_within_its_tolerance(tmp_path):
     pruned = pruned_stories("al-am")
     export_gguf(pruned.model, pruned.tokenizer, tmp_path / "m.gguf", dtype="float16")
@@ -147,3 +165,22 @@ def test_speed_command_times_both_engines(capsys):
     assert [row[1] for row in rows] == ["transformers", "llama.cpp"] and rows[0][2] == rows[1][2] == "280,512"
     assert main([*common, "--engine", "llama.cpp", "--eval-batch-size", "2"]) == 2
     assert "llama.cpp is timed at batch 1 only" in capsys.readouterr().err
+
+
+@needs_stories
+def test_q8_0_runs_within_its_tolerance(tmp_path):
+    """llama.cpp's 8-bit quantisation (blocks of 32 values, one scale each) against transformers running the very
+    weights the file holds (quantised and dequantised by the gguf library): llama.cpp also quantises the
+    activations to 8 bits, so logits agree to 3e-2 × max |logit| (weights of std 0.02, as LLaMA's init)."""
+    config = tiny_config(vocab=512, hidden=64, head_dim=16, n_heads=4, n_kv_heads=2, intermediate=96, tie=False)
+    config.initializer_range = 0.02
+    model = tiny_model(config, attn="sdpa")
+    export_gguf(model, AutoTokenizer.from_pretrained(STORIES), tmp_path / "m.gguf", dtype="q8_0")
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for weight in (p for p in model.parameters() if p.dim() == 2):
+            held = gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), q8_0), q8_0).reshape(weight.shape)
+            weight.copy_(torch.from_numpy(held))
+    ids = AutoTokenizer.from_pretrained(STORIES)(PROMPT)["input_ids"]
+    expected, got = transformers_logits(model, ids), llama_cpp_logits(tmp_path / "m.gguf", ids)
+    assert np.abs(got - expected).max() <= 3e-2 * np.abs(expected).max()
