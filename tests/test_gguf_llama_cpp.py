@@ -13,8 +13,8 @@ import torch
 from tiny_models import STORIES, STORIES_MHA, apply_plan, needs_stories, random_plan, tiny_config, tiny_model
 from transformers import AutoTokenizer
 
+from rcpu_bench.commands.export import export_model
 from rcpu_bench.evaluation.speed_llama_cpp import greedy_token, llama_cpp_speed, load_gguf
-from rcpu_bench.export.export_command import export_model
 from rcpu_bench.export.gguf import export_gguf
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.model.persistence import load_saved, save_pruned
@@ -160,7 +160,8 @@ def test_speed_command_times_both_engines(capsys):
 
     common = ["speed", "--model", str(STORIES_MHA), "--prompt-tokens", "8", "--new-tokens", "2", "--repeats", "1",
               "--quiet"]
-    assert main([*common, "--engine", "transformers", "--engine", "llama.cpp", "--threads", "1"]) == 0
+    assert main([*common, "--engine", "transformers", "--engine", "llama.cpp", "--threads", "1",
+                 "--eval-batch-size", "1"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(str(STORIES_MHA))]
     assert [row[1] for row in rows] == ["transformers", "llama.cpp"] and rows[0][2] == rows[1][2] == "280,512"
     assert main([*common, "--engine", "llama.cpp", "--eval-batch-size", "2"]) == 2

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from rcpu_bench.export.gguf_vocab import Vocab, gguf_vocab
 from rcpu_bench.model.adapter import model_view
+from rcpu_bench.model.persistence import unique_tensors
 
 DTYPES = ("float32", "float16", "bfloat16", "q8_0")
 Q8_0_BLOCK = 32  # values per q8_0 block: a q8_0 matrix's rows (in_features) must be a multiple of it
@@ -132,8 +133,6 @@ def layer_widths(model: Any) -> Widths:
 
 def gguf_tensors(model: Any, widths: Widths) -> dict[str, Tensor]:
     """The model's tensors under llama.cpp's names, q/k permuted, in float32 (tied ones once)."""
-    from rcpu_bench.model.persistence import unique_tensors  # persistence imports the matrix records
-
     tensors = {}
     for name, tensor in unique_tensors(model).items():
         target = gguf_name(name)

@@ -1,23 +1,21 @@
-"""``rcpu-bench export``: write a saved (pruned) model in another engine's format; GGUF for llama.cpp."""
+"""``rcpu-bench export``: write a saved pruned model (or a model directory) in another engine's format; GGUF for
+llama.cpp (:mod:`rcpu_bench.export.gguf`). Also ``prune --export-gguf``'s options and export."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 from rcpu_bench import console
+from rcpu_bench.commands import command
+from rcpu_bench.export.gguf import DTYPES, check_dtype, export_gguf, require_gguf
+from rcpu_bench.model.persistence import check_model_argument, load_saved_or_model
 
 FORMATS = ("gguf",)
 
 
-def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add the ``export`` subcommand to an ``add_subparsers()`` object and return its parser."""
-    from rcpu_bench.export.gguf import DTYPES
-
-    p = commands.add_parser("export", help="write a saved pruned model (or a model directory) as a GGUF file for "
-                            "llama.cpp", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", required=True, choices=FORMATS, help="output format")
     p.add_argument("--outtype", default="float16", choices=DTYPES,
                    help="type of the matrices (norms and biases stay float32)")
@@ -25,14 +23,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("model", metavar="DIR", help="directory written by prune --save (or a Llama model directory)")
     p.add_argument("out", metavar="OUT.gguf", help="the file to write")
     console.add_quiet_option(p)
-    p.set_defaults(func=cmd_export)
-    return p
 
 
 def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     """``prune``'s ``--export-gguf PATH`` and ``--gguf-outtype``: export the model saved by ``--save``."""
-    from rcpu_bench.export.gguf import DTYPES
-
     parser.add_argument("--export-gguf", metavar="PATH", help="also write the saved model (needs --save) as a GGUF "
                         "file for llama.cpp")
     parser.add_argument("--gguf-outtype", default="float16", choices=DTYPES, help="type of --export-gguf's matrices")
@@ -41,9 +35,6 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
 def check_export(name: str, out: str, outtype: str, *, overwrite: bool = False, check_model: bool = True) -> None:
     """Everything an export can be refused for without loading the model: the output path, the type, the gguf
     package and (``check_model``) the model argument."""
-    from rcpu_bench.evaluation.eval_command import check_model_argument
-    from rcpu_bench.export.gguf import check_dtype, require_gguf
-
     check_dtype(outtype)
     require_gguf()
     if Path(out).exists() and not overwrite:
@@ -54,9 +45,6 @@ def check_export(name: str, out: str, outtype: str, *, overwrite: bool = False, 
 
 def export_model(name: str, out: str, outtype: str, *, overwrite: bool = False) -> dict[str, Any]:
     """Load ``name`` (a saved pruned directory or a model) in float32 on the CPU and write it to the GGUF ``out``."""
-    from rcpu_bench.evaluation.eval_command import load_saved_or_model
-    from rcpu_bench.export.gguf import export_gguf
-
     loaded = load_saved_or_model(name, revision=None, dtype="float32", device="cpu")
     return export_gguf(loaded.model, loaded.tokenizer, out, dtype=outtype, name=Path(name).name, overwrite=overwrite)
 
@@ -69,13 +57,9 @@ def describe(summary: dict[str, Any]) -> str:
             f"{summary['tensors']} tensors; {widths})")
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    """``rcpu-bench export``: check, load, write, one line about the file."""
-    try:
-        check_export(args.model, args.out, args.outtype, overwrite=args.overwrite)
-        summary = export_model(args.model, args.out, args.outtype, overwrite=args.overwrite)
-    except (ValueError, OSError, ImportError) as error:
-        print(f"rcpu-bench: error: {error}", file=sys.stderr)
-        return 2
-    print(describe(summary))
+@command()
+def run(args: argparse.Namespace) -> int:
+    """Check, load, write, one line about the file."""
+    check_export(args.model, args.out, args.outtype, overwrite=args.overwrite)
+    print(describe(export_model(args.model, args.out, args.outtype, overwrite=args.overwrite)))
     return 0
