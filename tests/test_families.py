@@ -244,15 +244,16 @@ def test_tables_mark_a_run_whose_scale_a_post_norm_voided():
 
     from rcpu_bench.matrix.store import StoredResult
     from rcpu_bench.pruning.methods import label_of
+    from rcpu_bench.records import Record
     from rcpu_bench.tables.layout import SCALE_VOID, method_row
 
     prune_config = asdict(PruneConfig(compensator="scaled-procrustes"))
     label = label_of(prune_config)
     gemma = build("gemma2")
     layers = prune_model(gemma, ids(), PruneConfig(compensator="scaled-procrustes", ratio=0.34), progress=False).layers
-    record = {"experiment": {"prune": prune_config}, "layers": layers}
+    record = Record({"prune": prune_config}, {}, [], {}, 0, layers=layers)
     assert label and method_row(StoredResult("c", {}, record, 0.0)) == label + SCALE_VOID
-    record["layers"] = prune(build("llama"), "llama", compensator="scaled-procrustes")
+    record.layers = prune(build("llama"), "llama", compensator="scaled-procrustes")
     assert method_row(StoredResult("c", {}, record, 0.0)) == label
 
 

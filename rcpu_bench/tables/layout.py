@@ -72,7 +72,7 @@ SCALE_VOID = " [scale void: post-norm]"
 def scale_void(result: StoredResult) -> bool:
     """Whether a module's post-norm divided out the compensator's scale (``scale_void`` in the record's module
     reports, ``rcpu_bench.pruning.pipeline.post_norm_notes``): e.g. Gemma's scaled-procrustes is procrustes."""
-    return any(report.get("scale_void") for layer in result.record.get("layers", [])
+    return any(report.get("scale_void") for layer in result.record.layers or []
                for report in layer.values() if isinstance(report, dict))
 
 
