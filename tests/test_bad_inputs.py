@@ -67,8 +67,7 @@ def model_copy(tmp_path: Path, source: Path = STORIES_MHA) -> Path:
     (["--structure", "al-am", "--gqa-rule", "query"], ["gqa_rule='query'", "allowed: gqa_rule='group'"]),
     (["--device", "bogus"], ["'bogus'", "allowed: cpu, cuda"]),
     (["--calib-batch-size", "0"], ["--calib-batch-size", "allowed: an integer >= 1"]),
-    (["--eval-batch-size", "0"], ["--eval-batch-size", "allowed: an integer >= 1"]),
-    (["--eval-batch-size", "-3"], ["'-3'", "allowed: an integer >= 1"]),
+    (["--eval-batch-size", "-3"], ["eval_batch_size=-3", "allowed: an integer >= 1"]),
     (["--compensator", "ridge", "--compensator-param", "lam='1e-2'"], ["lam='1e-2' is text", "write 1.0e-02"]),
     (["--ppl", "bogus"], ["'bogus'", "allowed: rcpu128"]),
 ])
@@ -76,7 +75,7 @@ def test_prune_refuses_bad_options_before_loading(args, needles, capsys, no_load
     assert_one_line_error(*run(["prune", "--model", str(STORIES_MHA), *QUICK, *args], capsys), *needles)
 
 
-@pytest.mark.parametrize("option", ["--eval-batch-size", "--prompt-tokens", "--new-tokens", "--repeats"])
+@pytest.mark.parametrize("option", ["--prompt-tokens", "--new-tokens", "--repeats", "--threads"])
 @pytest.mark.parametrize("value", ["0", "-1", "two"])
 def test_speed_counts_must_be_positive(option, value, capsys, no_loading):
     code, err = run(["speed", option, value], capsys)
@@ -92,9 +91,14 @@ def test_generate_refuses_more_tokens_than_the_context_holds(capsys):
 
 
 @needs_stories
-def test_eval_batch_size_must_be_positive(capsys, no_loading):
-    code, err = run(["eval", "--model", str(STORIES_MHA), "--tasks", "piqa", "--eval-batch-size", "0"], capsys)
-    assert_one_line_error(code, err, "batch size must be a positive integer")
+@pytest.mark.parametrize("command, needle", [
+    (["eval", "--tasks", "piqa"], "batch size must be a positive integer"),
+    (["speed"], "--eval-batch-size 0 is not allowed; allowed: an integer >= 1"),
+    (["prune", *QUICK], "eval_batch_size=0 is not allowed; allowed: an integer >= 1"),
+])
+def test_eval_batch_size_must_be_positive(command, needle, capsys, no_loading):
+    code, err = run([command[0], "--model", str(STORIES_MHA), *command[1:], "--eval-batch-size", "0"], capsys)
+    assert_one_line_error(code, err, needle)
 
 
 @pytest.mark.slow
@@ -103,7 +107,7 @@ def test_a_failing_save_keeps_the_record(capsys, monkeypatch, tmp_path):
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("rcpu_bench.matrix.experiment.save_pruned", full_disk)
+    monkeypatch.setattr("rcpu_bench.experiment.save_pruned", full_disk)
     out = tmp_path / "r.jsonl"
     code, err = run(["prune", "--model", str(STORIES_MHA), *QUICK, "--save", str(tmp_path / "pruned"),
                      "--out", str(out)], capsys)
@@ -240,7 +244,7 @@ class WrongShapeOnRealLayers:
 @needs_stories
 def test_a_plugin_contract_breach_on_a_real_layer_is_one_line(capsys, monkeypatch, tmp_path):
     registry: Registry = build_registry(plugin_manager([("shorty", WrongShapeOnRealLayers())]))
-    monkeypatch.setattr("rcpu_bench.matrix.experiment.default_registry", lambda: registry)
+    monkeypatch.setattr("rcpu_bench.experiment.default_registry", lambda: registry)
     out = tmp_path / "r.jsonl"
     code, err = run(["prune", "--model", str(STORIES_MHA), *QUICK, "--scorer", "short", "--out", str(out)], capsys)
     assert_one_line_error(code, err, "scorer 'short' from shorty returned", "expected a tensor of shape (64,)")

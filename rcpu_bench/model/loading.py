@@ -26,7 +26,7 @@ from transformers import (
 )
 from transformers.utils.hub import cached_file, extract_commit_hash
 
-from rcpu_bench.model.adapter import check_architecture, supported
+from rcpu_bench.model.adapter import check_architecture, check_prunable, supported
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
                                   "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -158,13 +158,14 @@ def load_tokenizer(source: str, revision: str | None = None) -> PreTrainedTokeni
                          "beside tokenizer_config.json") from None
 
 
-def load_config(name_or_path: str, revision: str | None = None) -> tuple[PretrainedConfig, str | None]:
-    """The model's config, checked on a weightless skeleton (a local directory: its weight files too), and the Hub
-    commit it came from (None if local)."""
+def load_config(name_or_path: str, revision: str | None = None, *,
+                prune: tuple[str, ...] = ()) -> tuple[PretrainedConfig, str | None]:
+    """The model's config, checked on a weightless skeleton (its ``prune`` modules too, ``adapter.check_prunable``;
+    a local directory: its weight files too), and the Hub commit it came from (None if local)."""
     source = model_source(name_or_path)
     commit = extract_commit_hash(cached_file(source, "config.json", revision=revision), None)
     config = AutoConfig.from_pretrained(source, revision=commit or revision)
-    model_skeleton(config)
+    check_prunable(model_skeleton(config), prune)
     if Path(source).is_dir():
         check_weight_files(Path(source))
     return config, commit
