@@ -47,6 +47,7 @@ from rcpu_bench.model.loading import (
     dtype_argument,
     load_config,
     load_model,
+    load_tokenizer,
     model_source,
     parameter_count,
     resolve_device,
@@ -439,7 +440,8 @@ def check_model_argument(name: str, revision: str | None, trust_remote_code: boo
     model without ``trust_remote_code``, before loading."""
     directory = pruned_directory(model_source(name))
     if directory is None:
-        load_config(name, revision, trust_remote_code=trust_remote_code)
+        _, commit = load_config(name, revision, trust_remote_code=trust_remote_code)
+        load_tokenizer(model_source(name), commit or revision, trust_remote_code=trust_remote_code)
         return
     read_saved_config(directory, read_manifest(directory), trust_remote_code=trust_remote_code)
     if not (directory / "tokenizer_config.json").is_file():
