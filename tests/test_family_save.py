@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rcpu_bench.cli import main
 from rcpu_bench.evaluation.generation import greedy_continuation
 from rcpu_bench.matrix.store import Store
-from rcpu_bench.model.adapter import check_architecture, layer_geometries
+from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_config, load_model, parameter_count
 from rcpu_bench.model.persistence import load_pruned, save_pruned
 from rcpu_bench.pruning.options import PruneConfig
@@ -35,21 +35,6 @@ def ids(seed: int = 0) -> torch.Tensor:
 
 
 MLP_ONLY = {"olmo2"}  # its q/k norms span all heads: head pruning is refused
-AWAITING = {"olmo2", "phi3"}  # pruned by the family modules of issue 18's pruning side, merged separately
-
-
-def awaiting(name: str) -> bool:
-    """Whether family ``name`` is one the adapter does not handle yet (only those in ``AWAITING`` may be)."""
-    if name not in AWAITING:
-        return False
-    try:
-        check_architecture(family_model(name))
-    except ValueError:
-        return True
-    return False
-
-
-PRUNED_FAMILIES = [name for name in FAMILIES if not awaiting(name)]
 
 
 def pruned_family(name: str, structure: str):
@@ -61,8 +46,7 @@ def pruned_family(name: str, structure: str):
 
 
 @pytest.mark.parametrize("structure", STRUCTURES)
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.skipif(
-    awaiting(name), reason=f"the adapter does not prune {name} yet (its family module)")) for name in FAMILIES])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_saved_family_loads_with_plain_from_pretrained_bit_exactly(tmp_path, name, structure):
     model = pruned_family(name, structure)
     kind = STRUCTURES[structure][1]
@@ -108,7 +92,7 @@ for directory, kind in cases.items():
 @pytest.mark.slow
 def test_every_family_reloads_bit_exactly_in_a_fresh_process(tmp_path):
     cases, expected = {}, {}
-    for name in PRUNED_FAMILIES:
+    for name in FAMILIES:
         for structure, (_, kind) in STRUCTURES.items():
             directory = tmp_path / f"{name}-{structure}"
             model = pruned_family(name, structure)
@@ -138,7 +122,7 @@ def test_generate_command_on_a_saved_family_model(tmp_path, capsys, name, struct
 @needs_stories
 def test_one_matrix_cell_per_family_through_rcpu_bench_run(tmp_path):
     tokenizer, models = AutoTokenizer.from_pretrained(STORIES), {}
-    for name in PRUNED_FAMILIES:
+    for name in FAMILIES:
         family_model(name).save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
         models[name] = {"model": str(tmp_path / name), "label": name}
@@ -155,7 +139,7 @@ def test_one_matrix_cell_per_family_through_rcpu_bench_run(tmp_path):
             assert entry["record"]["parameters"]["removed_fraction"] > 0
             assert all(torch.isfinite(torch.tensor(p["ppl"])) for p in entry["record"]["perplexity"])
             labels.append(entry["cell"]["model_label"])
-    assert sorted(labels) == sorted(PRUNED_FAMILIES)
+    assert sorted(labels) == sorted(FAMILIES)
 
 
 STOCK_TASK = """task: stock_piqa
