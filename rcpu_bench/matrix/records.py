@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rcpu_bench import strict_json
+
 STORE_FILE = "records.jsonl"  # a results directory's store (rcpu_bench.matrix.store)
 _LIBRARIES = ("rcpu-bench", "torch", "transformers", "datasets", "lm_eval", "pluggy")
 NOT_AVAILABLE = "n/a"
@@ -79,10 +81,11 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def append_record(path: str | Path, record: dict[str, Any]) -> None:
-    """Append one record as a single JSON line and fsync, so a crash never leaves half a record."""
+    """Append one record as a single strict-JSON line (no NaN, no tensors: ValueError naming the field) and fsync,
+    so a crash never leaves half a record."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(record, sort_keys=True, default=str) + "\n"
+    line = strict_json.dumps(record, sort_keys=True) + "\n"
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(line)
         handle.flush()

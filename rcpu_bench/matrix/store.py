@@ -89,7 +89,7 @@ class Store:
 
     def latest(self) -> dict[str, dict[str, Any]]:
         """The newest entry of each cell id, in the order the newest entries were written."""
-        return {cell_id: entry for cell_id, (_, entry) in _newest(self.entries()).items()}
+        return {cell_id: entry for cell_id, (_, entry) in _newest(self.entries(), self.path).items()}
 
     def finished(self) -> set[str]:
         """Ids of the cells whose newest entry is ok: a resumed run skips them."""
@@ -197,7 +197,7 @@ def read_results(results_dir: str | Path, *, missing_ok: bool = False) -> Stored
             return StoredResults((), 0)
         raise FileNotFoundError(f"no results store {path} (expected {RECORDS} in the --results directory)")
     try:
-        newest = _newest(read_records(path))
+        newest = _newest(read_records(path), path)
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not a JSONL results store: {error}") from error
     ok = [(number, line) for number, line in newest.values() if line.get("status") == OK]
@@ -213,10 +213,22 @@ def _check_entry(entry: dict[str, Any], where: str) -> None:
             raise ValueError(f"{where}: entry {entry.get('cell_id')} has no {part} field {', '.join(missing)}")
 
 
-def _newest(lines: list[dict[str, Any]]) -> dict[Any, tuple[int, dict[str, Any]]]:
-    """cell id → (line number, its newest entry), in the order the newest entries were written."""
+def _newest(lines: list[dict[str, Any]], path: Path) -> dict[Any, tuple[int, dict[str, Any]]]:
+    """cell id → (line number, its newest entry), in the order the newest entries were written.
+
+    A line that is not an entry (``{}``, no cell id, an unknown status) is skipped with a warning naming it,
+    not counted as a failed cell."""
     newest: dict[Any, tuple[int, dict[str, Any]]] = {}
     for number, line in enumerate(lines, start=1):
+        if not _is_entry(line):
+            log.warning("%s:%d is not a cell entry (no cell_id, or status not %s/%s); skipped", path, number, OK,
+                        FAILED)
+            continue
         newest.pop(line.get("cell_id"), None)
         newest[line.get("cell_id")] = number, line
     return newest
+
+
+def _is_entry(line: Any) -> bool:
+    return (isinstance(line, dict) and isinstance(line.get("cell_id"), str) and bool(line["cell_id"])
+            and line.get("status") in (OK, FAILED))

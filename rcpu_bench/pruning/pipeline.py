@@ -81,8 +81,11 @@ def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: 
     diagnostics = {} if held_out is None else {
         "generalisation": module_generalisation(proj.weight, stats, held_out, columns.kept, compensator.name, result)}
     view.apply(module, columns, result.weight, result.bias)
+    # The compensator's own diagnostics (already checked strict-JSON by the registry) stay under "info", so no
+    # plugin can overwrite the harness's fields.
     return {"compensator": compensator.name, "units_total": len(units.kept) + len(units.pruned),
-            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info, **diagnostics}
+            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), "info": dict(result.info),
+            **diagnostics}
 
 
 def _gram_modules(modules: list[str], config: PruneConfig, methods: Resolved) -> list[str]:
