@@ -56,11 +56,14 @@ def cpu_model() -> str:
 
 def harness_commit(path: Path = PACKAGE_DIR) -> dict[str, Any]:
     """{"commit": HEAD of the git checkout holding ``path``, "dirty": whether tracked files under ``path``
-    differ from it}; both "unknown" outside a git checkout. Files elsewhere (results being written) do not count."""
+    differ from it}; both "unknown" outside a git checkout. Files elsewhere (results being written) do not count.
+    Read-only: takes no lock and writes nothing in the checkout."""
     commit = _command_output("git", "rev-parse", "HEAD", cwd=path)
     if commit is None:
         return {"commit": UNKNOWN, "dirty": UNKNOWN}
-    changes = _command_output("git", "status", "--porcelain", "--untracked-files=no", "--", ".", cwd=path)
+    # --no-optional-locks: a plain `git status` refreshes the index and takes .git/index.lock in the user's checkout.
+    changes = _command_output("git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                              cwd=path)
     return {"commit": commit, "dirty": UNKNOWN if changes is None else bool(changes)}
 
 
