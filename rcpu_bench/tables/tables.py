@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rcpu_bench.atomic_file import write_file_atomically
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
 from rcpu_bench.matrix.spec import load_matrix
 from rcpu_bench.matrix.store import RECORDS, RESULTS_ROOT, matrix_results_dir, read_results
@@ -81,7 +82,7 @@ def cmd_tables(args: argparse.Namespace) -> int:
                              metric_map=args.metric_map, paper=paper, lambda_rule=args.lambda_rule)
         text = render(tables, args.format)
         if args.out:
-            Path(args.out).write_text(text, encoding="utf-8")
+            write_file_atomically(args.out, lambda path: path.write_text(text, encoding="utf-8"))
         else:
             sys.stdout.write(text)
     except (ValueError, OSError) as error:
