@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from rcpu_bench import console
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS
-from rcpu_bench.evaluation.zeroshot import SOURCES, TASK_FIELDS, plan_zeroshot, run_zeroshot
+from rcpu_bench.evaluation.zeroshot import SOURCES, TASK_FIELDS, check_output_path, plan_zeroshot, run_zeroshot
 from rcpu_bench.matrix.records import append_record, library_versions
 from rcpu_bench.model.loading import (
     LoadedModel,
@@ -137,6 +137,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_models([args.model], args)
         if args.log_samples and not args.output_path:
             raise ValueError("--log-samples needs --output-path (where lm-eval writes the samples)")
+        if args.output_path:
+            check_output_path(args.output_path)
         plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.eval_batch_size,
                              source=args.source, metric_map=args.metric_map, num_fewshot=args.num_fewshot,
                              include_path=args.include_path)

@@ -25,6 +25,7 @@ from transformers import (
 )
 from transformers.utils.hub import cached_file, extract_commit_hash
 
+from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import check_architecture, supported
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
@@ -117,7 +118,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     """Load a supported causal LM and its tokenizer, in eval mode, with provenance.
 
     ``name_or_path`` is a local directory or a Hub repo id (``revision`` may pin a branch, tag or
-    commit). The architecture is checked on a weightless skeleton before any weights are read.
+    commit). The architecture is checked on a weightless skeleton before any weights are read; a NaN or ±inf
+    weight raises NonFiniteError naming its parameter (layer and module).
     """
     torch_dtype, torch_device, source = resolve_dtype(dtype), resolve_device(device), model_source(name_or_path)
     config, commit = load_config(name_or_path, revision)
@@ -125,6 +127,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     model = AutoModelForCausalLM.from_pretrained(source, config=config, revision=pinned,
                                                  **dtype_argument(torch_dtype))
     model = model.to(torch_device).eval()
+    check_parameters(model, f"model {name_or_path}")
     tokenizer = AutoTokenizer.from_pretrained(source, revision=pinned)
     provenance = {"name_or_path": name_or_path, "revision": revision, "commit_hash": commit,
                   "dtype": dtype, "device": device, "config_class": type(config).__name__,

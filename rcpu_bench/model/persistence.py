@@ -45,6 +45,7 @@ from safetensors.torch import load_model, save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from rcpu_bench.finite import check_parameters
 from rcpu_bench.matrix.records import library_versions
 from rcpu_bench.model.adapter import model_view
 from rcpu_bench.model.hf_format import RcpuLlamaConfig, RcpuLlamaForCausalLM, write_source
@@ -360,6 +361,7 @@ def materialize(skeleton: PreTrainedModel, directory: Path, weights: str, expect
     skeleton.init_weights()  # re-ties the embeddings (the weights themselves are overwritten below)
     recompute_rotary(skeleton)
     load_model(skeleton, path, strict=True, device=str(torch_device))
+    check_parameters(skeleton, f"saved model {directory}")
     count = parameter_count(skeleton)
     if count != expected_count:
         raise ValueError(f"the rebuilt model has {count} parameters; the manifest says {expected_count}")
