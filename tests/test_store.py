@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from test_tables import entry as table_entry
 from tiny_matrices import tiny_matrix
 
+from rcpu_bench.matrix.phases import phase1_entries
 from rcpu_bench.matrix.spec import expand
 from rcpu_bench.matrix.store import (
     FAILED,
@@ -140,4 +141,4 @@ def test_a_line_that_is_not_an_entry_is_skipped_with_a_warning_not_counted_faile
     stored = read_results(tmp_path)
     assert [r.ratio for r in stored.results] == [0.1, 0.2] and stored.failed == 0
     assert "records.jsonl:2 is not a cell entry" in caplog.text
-    assert len(Store(tmp_path).latest()) == 2
+    assert len(Store(tmp_path).latest()) == 2 and len(phase1_entries(Store(tmp_path).entries())) == 2

@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -84,12 +84,14 @@ class Store:
         self.path = self.dir / RECORDS
 
     def entries(self) -> list[dict[str, Any]]:
-        """Every complete entry, oldest first (a torn last line is skipped)."""
-        return read_records(self.path) if self.path.exists() else []
+        """Every complete entry, oldest first (a torn last line and lines that are not entries are skipped)."""
+        if not self.path.exists():
+            return []
+        return [entry for _, entry in _numbered_entries(read_records(self.path), self.path)]
 
     def latest(self) -> dict[str, dict[str, Any]]:
         """The newest entry of each cell id, in the order the newest entries were written."""
-        return {cell_id: entry for cell_id, (_, entry) in _newest(self.entries(), self.path).items()}
+        return {cell_id: entry for cell_id, (_, entry) in _newest(enumerate(self.entries(), start=1)).items()}
 
     def finished(self) -> set[str]:
         """Ids of the cells whose newest entry is ok: a resumed run skips them."""
@@ -197,7 +199,7 @@ def read_results(results_dir: str | Path, *, missing_ok: bool = False) -> Stored
             return StoredResults((), 0)
         raise FileNotFoundError(f"no results store {path} (expected {RECORDS} in the --results directory)")
     try:
-        newest = _newest(read_records(path), path)
+        newest = _newest(_numbered_entries(read_records(path), path))
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not a JSONL results store: {error}") from error
     ok = [(number, line) for number, line in newest.values() if line.get("status") == OK]
@@ -213,17 +215,23 @@ def _check_entry(entry: dict[str, Any], where: str) -> None:
             raise ValueError(f"{where}: entry {entry.get('cell_id')} has no {part} field {', '.join(missing)}")
 
 
-def _newest(lines: list[dict[str, Any]], path: Path) -> dict[Any, tuple[int, dict[str, Any]]]:
-    """cell id → (line number, its newest entry), in the order the newest entries were written.
-
-    A line that is not an entry (``{}``, no cell id, an unknown status) is skipped with a warning naming it,
-    not counted as a failed cell."""
-    newest: dict[Any, tuple[int, dict[str, Any]]] = {}
+def _numbered_entries(lines: list[Any], path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, entry) of each line that is a cell entry; any other line (``{}``, no cell id, an unknown
+    status) is skipped with a warning naming it, not counted as a failed cell."""
+    entries = []
     for number, line in enumerate(lines, start=1):
-        if not _is_entry(line):
+        if _is_entry(line):
+            entries.append((number, line))
+        else:
             log.warning("%s:%d is not a cell entry (no cell_id, or status not %s/%s); skipped", path, number, OK,
                         FAILED)
-            continue
+    return entries
+
+
+def _newest(entries: Iterable[tuple[int, dict[str, Any]]]) -> dict[Any, tuple[int, dict[str, Any]]]:
+    """cell id → (line number, its newest entry), in the order the newest entries were written."""
+    newest: dict[Any, tuple[int, dict[str, Any]]] = {}
+    for number, line in entries:
         newest.pop(line.get("cell_id"), None)
         newest[line.get("cell_id")] = number, line
     return newest
