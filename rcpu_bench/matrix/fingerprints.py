@@ -6,9 +6,9 @@ weights, or an edited ``file:`` corpus, keeps its ids. Every store entry therefo
 when both still match; a changed one is reported and run again (cell ids are unchanged).
 
 - model: for a local directory, ``sha256:`` + sha256 over the sorted (file name, sha256 of its bytes) of every
-  file in it (config, weights, tokenizer, manifest; not subdirectories): a content hash (reading the weights costs about as long as loading them, once per
-  model and run; sizes or headers alone would miss other weights of the same shapes). For a hub id, ``commit:``
-  + the resolved commit, which fixes the content.
+  file in it (config, weights, tokenizer, manifest; not subdirectories): a content hash. Reading the weights
+  costs about as long as loading them, once per model and run; sizes or safetensors headers alone would miss
+  other weights of the same shapes. For a hub id, ``commit:`` + the resolved commit, which fixes the content.
 - calibration: the sha256 of the calibration source's file (``record["calibration"]["sha256"]``, which entries
   written before fingerprints also hold).
 """
@@ -23,7 +23,6 @@ from rcpu_bench import data
 from rcpu_bench.matrix.cells import Cell
 from rcpu_bench.model.loading import load_config, model_source
 from rcpu_bench.model.persistence import file_sha256
-
 
 
 def model_fingerprint(name_or_path: str, revision: str | None = None) -> str:

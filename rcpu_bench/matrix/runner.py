@@ -315,10 +315,20 @@ class _Phase:
                                                           shown.started)) as entries:
             for run in entries:
                 target = targets[run["cell_id"]]
-                entry = {**to_entry(run, target), "fingerprint": self.fingerprints.of(getattr(target, "cell", target))}
+                entry = to_entry(run, target)
+                if entry["status"] == OK:
+                    entry["fingerprint"] = self._fingerprint(getattr(target, "cell", target))
                 self.append(entry)
                 self.summary.add(entry)
                 shown.finished(entry)
+
+    def _fingerprint(self, cell: Cell) -> dict[str, str] | None:
+        """The cell's fingerprint; None, with a warning, when its files cannot be read now (the entry is kept)."""
+        try:
+            return self.fingerprints.of(cell)
+        except (OSError, ValueError) as error:
+            log.warning("cell %s: no fingerprint stored (%s); a rerun reuses it by path", cell.id, error)
+            return None
 
 
 # ------------------------------------------------------------------------------------------ command line

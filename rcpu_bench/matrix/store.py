@@ -15,7 +15,8 @@ An entry (read by the tables; keep the format)::
      "error": null | {"type", "message", "traceback"},
      "cell": {"matrix", "model", "model_label", "method", "method_label", "ratio", "n_calib", "seqlen",
               "calib", "lam", "prune", "ppl_profiles", "eval", "revision", "dtype", "device"},
-     "record": <run_experiment's record> | null, "finished_at": ISO time, "seconds": float}
+     "record": <run_experiment's record> | null, "finished_at": ISO time, "seconds": float,
+     "fingerprint": {"model", "calibration"} (ok entries; rcpu_bench.matrix.fingerprints)}
 
 A cell may have several entries (a failure, then a retry); the newest one counts.
 """
