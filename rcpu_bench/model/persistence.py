@@ -130,7 +130,7 @@ def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
     """
     kind, config = model_view(model).saved_config(layer_records(model))
     manifest = build_manifest(model, method, provenance, kind)
-    json.dumps(manifest)  # a non-JSON method/provenance fails before anything is written
+    json.dumps(manifest, allow_nan=False)  # a non-JSON method/provenance fails before anything is written
     card = model_card(manifest, record)
 
     def write(staging: Path) -> None:
