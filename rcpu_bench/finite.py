@@ -20,9 +20,10 @@ class NonFiniteError(FloatingPointError, ValueError):
     """A weight, statistic, logit or metric is NaN or infinite (a ValueError: the command's input is unusable)."""
 
 
-def count_non_finite(tensor: Tensor) -> int:
-    """How many entries of ``tensor`` are NaN or ±inf."""
-    return int((~torch.isfinite(tensor)).sum())
+def count_non_finite(tensor: Tensor, chunk: int = 1 << 24) -> int:
+    """How many entries of ``tensor`` are NaN or ±inf (in chunks: the mask of a whole embedding matrix could
+    exhaust a full GPU)."""
+    return sum(int((~torch.isfinite(part)).sum()) for part in tensor.detach().reshape(-1).split(chunk))
 
 
 def check_parameters(module: nn.Module, where: str) -> None:

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from rcpu_bench.evaluation.generation import greedy_continuation
 from rcpu_bench.evaluation.perplexity import sequence_nll
-from rcpu_bench.finite import NonFiniteError, finite_logits
+from rcpu_bench.finite import NonFiniteError, count_non_finite, finite_logits
 from rcpu_bench.matrix.records import append_record
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.model.persistence import load_pruned, save_pruned
@@ -110,3 +110,9 @@ def test_a_finite_model_passes_every_check():
     prune_model(model, tokens(61, batch=4, length=16), PruneConfig(ratio=0.3), progress=False)
     nll, n = sequence_nll(dense, list(tokens(61, batch=3, length=12)), batch_size=2)
     assert math.isfinite(nll) and n == 3 * 11
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 24])
+def test_non_finite_values_are_counted_in_any_chunk_size(chunk):
+    values = torch.tensor([[1.0, NAN, 2.0], [INF, 0.0, -INF], [3.0, 4.0, NAN]])
+    assert count_non_finite(values, chunk) == 4 == sum(not math.isfinite(v) for v in values.flatten().tolist())
