@@ -190,7 +190,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
             check_parameters(layer, f"layer {index} before pruning")
             selection = selections[index] if selections else None
             held_stats = held.dense_stats(layer, timer) if held else None
-            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selection, held_stats, index)
+            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selection, held_stats, index=index)
             check_parameters(layer, f"layer {index} after pruning and compensation")
             if config.statistics == "sequential":
                 with timer("forward"):
@@ -244,8 +244,8 @@ def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig,
 
 
 def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig, methods: Resolved, timer: Timer,
-                 selections: dict[str, Selection] | None, held_out: dict[str, ActivationStats] | None = None,
-                 index: int = 0) -> tuple[dict[str, Any], list[Tensor]]:
+                 selections: dict[str, Selection] | None, held_out: dict[str, ActivationStats] | None = None, *,
+                 index: int) -> tuple[dict[str, Any], list[Tensor]]:
     """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
     modules = [m for m in MODULES if m in config.prune]
     gram = _gram_modules(modules, config, methods)
