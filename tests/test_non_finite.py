@@ -13,10 +13,10 @@ from transformers import AutoTokenizer
 from rcpu_bench.evaluation.generation import greedy_continuation
 from rcpu_bench.evaluation.perplexity import sequence_nll
 from rcpu_bench.finite import NonFiniteError, count_non_finite, finite_logits
-from rcpu_bench.matrix.records import append_record
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.model.persistence import load_pruned, save_pruned
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
+from rcpu_bench.records import append_record
 
 NAN, INF = math.nan, math.inf
 

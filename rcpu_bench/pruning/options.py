@@ -18,13 +18,12 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_type_hints
 
+from rcpu_bench.model.views import MODULES
 from rcpu_bench.selection.select import Rounding, n_pruned
 from rcpu_bench.statistics.activations import GramPrecision
 
 if TYPE_CHECKING:
     from rcpu_bench.registry import Registry
-
-MODULES = ("attention", "mlp")  # the prunable modules of a decoder layer: heads (o_proj) and channels (down_proj)
 
 Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count", "windows"]
 

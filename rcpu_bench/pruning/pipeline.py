@@ -26,9 +26,9 @@ from torch import Tensor, nn
 from rcpu_bench import console
 from rcpu_bench.compensation.diagnostics import module_generalisation
 from rcpu_bench.finite import check_parameters, check_tensor
-from rcpu_bench.model.adapter import decoder_layers, layer_view, model_view
+from rcpu_bench.model.adapter import check_prunable, decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
-from rcpu_bench.model.views import UnitMap
+from rcpu_bench.model.views import LayerView, UnitMap
 from rcpu_bench.pruning.options import MODULES, PruneConfig
 from rcpu_bench.registry import Registry, Resolved, default_registry
 from rcpu_bench.selection.scorers import unit_scores
@@ -81,12 +81,31 @@ def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: 
         result = compensator(proj.weight, stats, columns.kept, columns.pruned, **params)
     diagnostics = {} if held_out is None else {
         "generalisation": module_generalisation(proj.weight, stats, held_out, columns.kept, compensator.name, result)}
-    view.apply(module, columns, result.weight, result.bias)
+    view.apply(module, columns, result.weight, added_bias(proj.bias, result.bias))
     # The compensator's own diagnostics (already checked strict-JSON by the registry) stay under "info", so no
     # plugin can overwrite the harness's fields.
     return {"compensator": compensator.name, "units_total": len(units.kept) + len(units.pruned),
             "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), "info": dict(result.info),
-            **diagnostics}
+            **diagnostics, **post_norm_notes(view, module, result.info)}
+
+
+def added_bias(existing: Tensor | None, compensation: Tensor | None) -> Tensor | None:
+    """The consumer's new bias: a compensator's bias adds to the existing one (FLAP: b₀ + W_D μ_D); None keeps it."""
+    if compensation is None or existing is None:
+        return compensation
+    return existing.detach() + compensation
+
+
+def post_norm_notes(view: LayerView, module: str, info: dict[str, Any]) -> dict[str, bool]:
+    """Notes for a module whose output goes through a norm before the residual (Gemma's sandwich norms).
+
+    An RMSNorm divides out any common scale s of its input (RMSNorm(s·y) = RMSNorm(y) up to ε), so a
+    compensator's scale (``info["scale"]``: scaled-procrustes' s*) has no effect there: ``scale_void``
+    records that the run is the unscaled method, instead of reporting a distinct one.
+    """
+    if view.post_norm(module) is None:
+        return {}
+    return {"post_norm": True, **({"scale_void": True} if "scale" in info else {})}
 
 
 def _gram_modules(modules: list[str], config: PruneConfig, methods: Resolved) -> list[str]:
@@ -176,6 +195,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         torch.cuda.reset_peak_memory_stats(device)
     if config.model_method is not None:
         return _run_model_method(model, calib_ids, config, methods, device)
+    check_prunable(model, [m for m in MODULES if m in config.prune])
     layers = decoder_layers(model)
     selections = global_selections(model, calib_ids, config, methods, device) if config.structure == "al-am" else None
     totals = Timer(device)
