@@ -32,7 +32,13 @@ from rcpu_bench.model.views import LayerView, UnitMap
 from rcpu_bench.pruning.options import MODULES, PruneConfig
 from rcpu_bench.registry import Registry, Resolved, default_registry
 from rcpu_bench.selection.scorers import unit_scores
-from rcpu_bench.selection.select import Selection, select_by_score, select_within_groups
+from rcpu_bench.selection.select import (
+    Selection,
+    kept_multiple,
+    round_kept,
+    select_by_score,
+    select_within_groups,
+)
 from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
 
 
@@ -60,7 +66,10 @@ def select_units(mapping: UnitMap, scores: Tensor, config: PruneConfig) -> Selec
     units = unit_scores(scores, mapping.unit_size, config.head_aggregation)
     if mapping.group_size > 1:
         return select_within_groups(units, mapping.group_size, config.ratio, config.rounding)
-    return select_by_score(units, config.ratio, config.rounding)
+    selection = select_by_score(units, config.ratio, config.rounding)
+    if config.round_to:
+        return round_kept(selection, units, kept_multiple(config.round_to, mapping.unit_size))
+    return selection
 
 
 def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: PruneConfig, methods: Resolved,
@@ -334,9 +343,18 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
                 units += _layer_units(layer, index, module, scores, config.gqa_rule)
         inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
     kept = _global_keep(units, config.ratio)
-    n_layers = len(decoder_layers(model))
-    return [{m: _selection([u for u in units if u.layer == i and u.module == m], kept) for m in modules}
-            for i in range(n_layers)]
+    layers = decoder_layers(model)
+    selections = []
+    for i, layer in enumerate(layers):
+        selections.append({})
+        for module in modules:
+            module_units = [u for u in units if u.layer == i and u.module == module]
+            selection = _selection(module_units, kept)
+            if config.round_to:
+                selection = _rounded(layer_view(layer).units(module).unit_size, module_units, selection,
+                                     config.round_to)
+            selections[i][module] = selection
+    return selections
 
 
 def _global_keep(units: list[Unit], ratio: float) -> set[Unit]:
@@ -353,6 +371,12 @@ def _global_keep(units: list[Unit], ratio: float) -> set[Unit]:
     for unit in ordered:
         best.setdefault((unit.layer, unit.module), unit)
     return kept | set(best.values())
+
+
+def _rounded(unit_size: int, module_units: list[Unit], selection: Selection, channels: int) -> Selection:
+    """An AL-AM module's selection with its kept width rounded to a multiple of ``channels`` (``round_kept``)."""
+    scores = torch.tensor([u.score for u in sorted(module_units, key=lambda u: u.index)])
+    return round_kept(selection, scores, kept_multiple(channels, unit_size))
 
 
 def _selection(module_units: list[Unit], kept: set[Unit]) -> Selection:
