@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from rcpu_bench import strict_json
+
 SCHEMA_VERSION = 1
 _LIBRARIES = ("rcpu-bench", "torch", "transformers", "datasets", "lm_eval", "pluggy")
 NOT_AVAILABLE = "n/a"
@@ -129,11 +131,14 @@ def cpu_model() -> str:
 
 def harness_commit(path: Path = PACKAGE_DIR) -> dict[str, Any]:
     """{"commit": HEAD of the git checkout holding ``path``, "dirty": whether tracked files under ``path``
-    differ from it}; both "unknown" outside a git checkout. Files elsewhere (results being written) do not count."""
+    differ from it}; both "unknown" outside a git checkout. Files elsewhere (results being written) do not count.
+    Read-only: takes no lock and writes nothing in the checkout."""
     commit = _command_output("git", "rev-parse", "HEAD", cwd=path)
     if commit is None:
         return {"commit": UNKNOWN, "dirty": UNKNOWN}
-    changes = _command_output("git", "status", "--porcelain", "--untracked-files=no", "--", ".", cwd=path)
+    # --no-optional-locks: a plain `git status` refreshes the index and takes .git/index.lock in the user's checkout.
+    changes = _command_output("git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                              cwd=path)
     return {"commit": commit, "dirty": UNKNOWN if changes is None else bool(changes)}
 
 
@@ -154,11 +159,11 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def append_record(path: str | Path, record: Record | Mapping[str, Any]) -> None:
-    """Append one record (or any JSON object: a store entry) as a single JSON line and fsync, so a crash never
-    leaves half a record."""
+    """Append one record (or any JSON object: a store entry) as a single strict-JSON line (no NaN, no tensors:
+    ValueError naming the field) and fsync, so a crash never leaves half a record."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(record.to_json() if isinstance(record, Record) else record, sort_keys=True, default=str) + "\n"
+    line = strict_json.dumps(record.to_json() if isinstance(record, Record) else dict(record), sort_keys=True) + "\n"
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(line)
         handle.flush()

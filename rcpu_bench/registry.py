@@ -21,7 +21,7 @@ from typing import Any
 import pluggy
 import torch
 
-from rcpu_bench import builtin, hookspecs
+from rcpu_bench import builtin, hookspecs, strict_json
 from rcpu_bench.compensation.rotation import tolerance as orthogonality_tolerance
 from rcpu_bench.hookspecs import NEEDS, CompensatorEntry, Kind, ModelMethodEntry, Needs, ScorerEntry
 from rcpu_bench.statistics.activations import ActivationStats
@@ -153,7 +153,11 @@ def _check_compensation(result: Any, weight: torch.Tensor, _stats: Any, kept: to
         return f"returned a bias of shape {tuple(result.bias.shape)}, expected ({weight.shape[0]},)"
     if not torch.isfinite(result.weight).all() or (result.bias is not None and not torch.isfinite(result.bias).all()):
         return "returned NaN or infinite weights"
-    return _check_orthogonality(getattr(result, "info", {}), weight.shape[0], result.weight.dtype)
+    info = getattr(result, "info", {})
+    if not isinstance(info, dict) or (bad := strict_json.problem(info, "info")):
+        return f"returned {'info' if isinstance(info, dict) else _describe(info)} that cannot be recorded: " + (
+            bad if isinstance(info, dict) else f"expected a dict of {strict_json.ALLOWED}")
+    return _check_orthogonality(info, weight.shape[0], result.weight.dtype)
 
 
 def _check_orthogonality(info: dict[str, Any], d_out: int, weight_dtype: torch.dtype) -> str | None:
@@ -178,7 +182,10 @@ def _check_orthogonality(info: dict[str, Any], d_out: int, weight_dtype: torch.d
 
 
 def _check_report(report: Any, model: torch.nn.Module, *_: Any) -> str | None:
-    return None if isinstance(report, dict) else f"returned {_describe(report)}, expected a report dict"
+    if not isinstance(report, dict):
+        return f"returned {_describe(report)}, expected a report dict"
+    bad = strict_json.problem(report, "report")
+    return None if bad is None else f"returned a report that cannot be recorded: {bad}"
 
 
 _CHECKS: dict[str, Callable[..., str | None]] = {"scorer": _check_scores, "compensator": _check_compensation,

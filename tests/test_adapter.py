@@ -131,7 +131,9 @@ STABLE = {
     "load_pruned": "(directory, *, dtype, device, trust_remote_code)",  # keywords appended: old calls still work
     "load_saved": "(directory, *, dtype, device, registry, trust_remote_code)",
     "write_atomically": "(directory, write, *, overwrite)",
-    "materialize": "(skeleton, directory, weights, expected_count, *, dtype, device, **provenance)",
+    "materialize": "(skeleton, directory, weights, expected_count, *, dtype, device, sha256, **provenance)",
+    "file_sha256": "(path)",
+    "recorded_sha256": "(manifest, where)",
     "load_model": "(name_or_path, *, dtype, device, revision, trust_remote_code)",
     "parameter_count": "(model)",
     "model_view": "(model)",

@@ -304,3 +304,28 @@ def test_readme_matrix_key_table_is_the_generated_one():
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     (table,) = re.findall(r"<!-- matrix-keys:[^\n]*-->\n(.*?)\n<!-- /matrix-keys -->", text, flags=re.S)
     assert table == key_table()
+
+
+@pytest.mark.parametrize(("text", "key", "lines"), [
+    ("name: a\nname: b\nmodels: [m]\nmethods: [ls-best]\nratios: [0.2]\n", "name", "1 and 2"),
+    ("models: [m]\nmethods: [ls-best]\nratios: [0.2]\nprune:\n  batch_size: 2\n  batch_size: 3\n", "batch_size",
+     "5 and 6"),
+    ("models: [m]\nmethods:\n  - {name: x, scorer: wanda-sp, scorer: variance}\nratios: [0.2]\n", "scorer", "3 and 3"),
+])
+def test_a_duplicate_yaml_key_is_refused_with_its_lines(tmp_path, text, key, lines):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(MatrixError, match=rf"the key '{key}' is given twice in one mapping, on lines {lines}"):
+        load_matrix(str(path))
+
+
+def test_a_duplicate_key_in_a_set_value_is_refused():
+    with pytest.raises(MatrixError, match="the key 'a' is given twice"):
+        load_matrix("smoke", sets=["prune={a: 1, a: 2}"])
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "..", ".", "a\\b", "x..y"])
+def test_a_matrix_name_must_stay_inside_results(name):
+    with pytest.raises(MatrixError, match=r"name: .* must be a plain name \(no '/', '.' or '..'\): results go to "
+                                          "results/<name>"):
+        parse_matrix({**tiny_raw(["rcpu-rot"]), "name": name})

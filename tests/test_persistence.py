@@ -2,6 +2,7 @@
 directories. (Loading through stock transformers / lm-eval: test_hf_format.py.)"""
 
 import json
+import os
 
 import pytest
 import torch
@@ -209,3 +210,98 @@ def test_non_json_method_fails_before_writing(tmp_path):
     with pytest.raises(TypeError, match="not JSON serializable"):
         save_pruned(pruned_tiny(), tmp_path / "m", method={"dtype": torch.float32})
     assert list(tmp_path.iterdir()) == []
+
+
+# --- integrity: checksums, a confined weights file, no staging left behind -----------------------
+
+def _zero_tensor_bytes(path):
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header:] = bytes(len(data) - header)
+    path.write_bytes(bytes(data))
+
+
+def _random_tensor_bytes(path):
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header:] = torch.randint(0, 256, (len(data) - header,), generator=torch.Generator().manual_seed(0),
+                                  dtype=torch.uint8).numpy().tobytes()
+    path.write_bytes(bytes(data))
+
+
+def _flip_one_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("corrupt", [_zero_tensor_bytes, _random_tensor_bytes, _flip_one_byte,
+                                     lambda path: path.write_bytes(bytes(path.stat().st_size))])
+def test_corrupted_weights_are_refused_by_their_checksum(tmp_path, corrupt):
+    save_pruned(pruned_tiny(), tmp_path / "m")
+    corrupt(tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.safetensors is corrupted or was replaced: its sha256 is [0-9a-f]{64}"):
+        load_pruned(tmp_path / "m")
+
+
+def test_the_manifest_records_the_weights_sha256(tmp_path):
+    import hashlib
+
+    manifest = save_pruned(pruned_tiny(), tmp_path / "m")
+    digest = hashlib.sha256((tmp_path / "m" / "model.safetensors").read_bytes()).hexdigest()
+    assert manifest["sha256"] == {"model.safetensors": digest} == read_manifest(tmp_path / "m")["sha256"]
+
+
+def test_another_models_weights_are_refused(tmp_path):
+    save_pruned(pruned_tiny(rule="groups"), tmp_path / "a")
+    save_pruned(pruned_tiny(rule="groups"), tmp_path / "b")
+    other = tiny_model(tiny_config(), seed=5, attn="sdpa")
+    save_pruned(apply_plan(other, random_plan(other, rule="groups", bias=True, seed=11)), tmp_path / "c")
+    (tmp_path / "c" / "model.safetensors").replace(tmp_path / "a" / "model.safetensors")
+    with pytest.raises(ValueError, match="is corrupted or was replaced"):
+        load_pruned(tmp_path / "a")
+
+
+@pytest.mark.parametrize(("weights", "message"), [
+    ("../b/model.safetensors", "must name a file inside"),
+    ("ABSOLUTE", "must name a file inside"),
+    ("", "must name a file inside"),
+    (7, "must name a file inside"),
+    ("other.safetensors", "sha256 records no checksum for the weights file 'other.safetensors'"),
+])
+def test_the_manifest_weights_cannot_point_elsewhere(tmp_path, weights, message):
+    save_pruned(pruned_tiny(), tmp_path / "a")
+    save_pruned(pruned_tiny(), tmp_path / "b")
+    (tmp_path / "a" / "other.safetensors").write_bytes((tmp_path / "b" / "model.safetensors").read_bytes())
+    path = tmp_path / "a" / MANIFEST
+    weights = str(tmp_path / "b" / "model.safetensors") if weights == "ABSOLUTE" else weights
+    path.write_text(json.dumps({**json.loads(path.read_text()), "weights": weights}))
+    with pytest.raises(ValueError, match=message):
+        load_pruned(tmp_path / "a")
+
+
+def test_a_manifest_without_checksums_loads_with_a_warning(tmp_path, caplog):
+    model = pruned_tiny()
+    save_format_1(model, tmp_path / "v1")
+    ids = tokens(model.config.vocab_size)
+    assert torch.equal(logits(load_pruned(tmp_path / "v1").model, ids), logits(model, ids))
+    assert "has no recorded sha256" in caplog.text
+
+
+def test_a_killed_save_leaves_staging_that_the_next_save_removes(tmp_path):
+    """A process killed mid-save (os._exit: no except, no finally) cannot clean up; the next save does."""
+    import subprocess
+    import sys
+
+    script = ("import os, sys\nfrom pathlib import Path\nfrom rcpu_bench.model.persistence import write_atomically\n"
+              "def write(staging):\n    (staging / 'model.safetensors').write_bytes(bytes(1000))\n    os._exit(9)\n"
+              "write_atomically(Path(sys.argv[1]), write)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m")], capture_output=True, check=False)
+    assert done.returncode == 9
+    stale = leftovers(tmp_path, "m")
+    assert len(stale) == 1 and stale[0].startswith(".m.") and stale[0].endswith(".partial")
+    live = tmp_path / f".m.{os.getpid()}.x.partial"  # a save in progress in a live process is left alone
+    live.mkdir()
+    save_pruned(pruned_tiny(), tmp_path / "m")
+    assert leftovers(tmp_path, "m") == [live.name]
+    assert (tmp_path / "m" / "model.safetensors").is_file()

@@ -130,7 +130,7 @@ def test_every_scorer_and_compensator_prunes_a_working_model(stories, kind, scor
     needs_gram = default_registry().compensator(compensator).needs == "gram"
     for layer in report.layers:
         for module in ("attention", "mlp"):
-            info = layer[module]
+            info = layer[module]["info"]
             assert ("objective_after" in info) == needs_gram  # only the Gram path can evaluate the objective
             if needs_gram:
                 assert info["objective_after"] <= info["objective_before"] * (1 + 1e-9)

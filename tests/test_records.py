@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -67,3 +68,15 @@ def test_a_missing_nvidia_smi_gives_na_not_a_crash(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     env = records.environment("cuda:0")
     assert (env["device_name"], env["cuda_version"], env["driver_version"]) == ("Fake GPU", "12.4", "n/a")
+
+
+def test_reading_the_commit_writes_nothing_in_the_checkout(repo):
+    """`git status` would refresh the stale index (taking .git/index.lock); the harness must only read."""
+    code = repo / "pkg" / "code.py"
+    index = repo / ".git" / "index"
+    before = index.read_bytes()
+    stat = code.stat()
+    code.write_text("x = 1\n")  # same content, new stat data: the index entry is stale
+    os.utime(code, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert records.harness_commit(repo / "pkg")["dirty"] is False
+    assert index.read_bytes() == before and not (repo / ".git" / "index.lock").exists()

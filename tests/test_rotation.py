@@ -278,6 +278,7 @@ def test_official_alias_prunes_a_model_and_records_the_unchecked_error():
     config = PruneConfig(ratio=0.5, **RECIPES["rcpu-official"].prune)
     config.validate(default_registry())
     report = prune_model(model, tokens(model.config.vocab_size, batch=4, length=16), config, progress=False)
-    modules = [m for layer in report.layers for m in layer.values() if isinstance(m, dict) and "solver" in m]
+    modules = [m["info"] for layer in report.layers for m in layer.values() if isinstance(m, dict)
+               and "solver" in m.get("info", {})]
     assert modules and all(m["solver"] == "official" and m["orthogonality_unchecked"] for m in modules)
     json.dumps(report.layers)

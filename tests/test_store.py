@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from test_tables import entry as table_entry
 from tiny_matrices import tiny_matrix
 
+from rcpu_bench.matrix.phases import phase1_entries
 from rcpu_bench.matrix.spec import expand
 from rcpu_bench.matrix.store import (
     FAILED,
@@ -134,3 +135,14 @@ def test_read_results_names_an_entry_without_the_fields_tables_read(tmp_path):
 def test_read_results_of_a_directory_without_a_store_is_empty_when_allowed(tmp_path):
     assert read_results(tmp_path, missing_ok=True) == read_results(tmp_path, missing_ok=True)
     assert read_results(tmp_path, missing_ok=True).results == () and read_results(tmp_path, missing_ok=True).failed == 0
+
+
+@pytest.mark.parametrize("junk", ["{}", "[]", '"text"', "7", '{"cell_id": "abc"}', '{"cell_id": "", "status": "ok"}',
+                                  '{"cell_id": "abc", "status": "maybe"}'])
+def test_a_line_that_is_not_an_entry_is_skipped_with_a_warning_not_counted_failed(tmp_path, caplog, junk):
+    lines = [json.dumps(table_entry("rcpu-rot", 0.1, 13.55)), junk, json.dumps(table_entry("rcpu-rot", 0.2, 14.4))]
+    (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    stored = read_results(tmp_path)
+    assert [r.ratio for r in stored.results] == [0.1, 0.2] and stored.failed == 0
+    assert "records.jsonl:2 is not a cell entry" in caplog.text
+    assert len(Store(tmp_path).latest()) == 2 and len(phase1_entries(Store(tmp_path).entries())) == 2

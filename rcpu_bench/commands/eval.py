@@ -12,7 +12,7 @@ from rcpu_bench import console
 from rcpu_bench.commands import command
 from rcpu_bench.commands.shared import add_eval_batch_size_option, check_models
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS
-from rcpu_bench.evaluation.zeroshot import SOURCES, TASK_FIELDS, plan_zeroshot, run_zeroshot
+from rcpu_bench.evaluation.zeroshot import SOURCES, TASK_FIELDS, check_output_path, plan_zeroshot, run_zeroshot
 from rcpu_bench.model.loading import add_model_options, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.records import append_record, library_versions
@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     check_models([args.model], args)
     if args.log_samples and not args.output_path:
         raise ValueError("--log-samples needs --output-path (where lm-eval writes the samples)")
+    if args.output_path:
+        check_output_path(args.output_path)
     plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.eval_batch_size,
                          source=args.source, metric_map=args.metric_map, num_fewshot=args.num_fewshot,
                          include_path=args.include_path)

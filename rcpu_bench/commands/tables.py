@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rcpu_bench.atomic_file import write_file_atomically
 from rcpu_bench.commands import command
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                          metric_map=args.metric_map, paper=paper, lambda_rule=args.lambda_rule)
     text = render(tables, args.format)
     if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
+        write_file_atomically(args.out, lambda path: path.write_text(text, encoding="utf-8"))
     else:
         sys.stdout.write(text)
     stored.note_failed()

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from rcpu_bench.finite import finite_logits
+
 SAMPLE_PROMPT = "Once upon a time"
 SAMPLE_TOKENS = 24
 
@@ -37,7 +39,7 @@ def greedy_continuation(model: Any, tokenizer: Any, prompt: str, max_new_tokens:
     config = GenerationConfig(max_length=encoded.input_ids.shape[1] + max_new_tokens, do_sample=False, num_beams=1,
                               eos_token_id=eos,
                               pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
-    with torch.no_grad():
+    with torch.no_grad(), finite_logits(model, "generation"):
         output = model.generate(**encoded, generation_config=config)
     # Decoded whole, then the prompt's text cut off: decoding the new tokens alone drops a leading space.
     whole, start = (tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

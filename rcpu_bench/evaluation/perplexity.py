@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rcpu_bench import console, data
+from rcpu_bench.finite import finite_logits
 
 IGNORE_INDEX = -100
 
@@ -121,6 +122,7 @@ def sequence_nll(model: nn.Module, sequences: list[Tensor], *, batch_size: int =
 
     Sequences are scored longest first (less padding) in batches of ``batch_size``, right-padded, with
     padding masked out of attention and ignored as targets, so the result does not depend on the batch size.
+    Non-finite logits raise ``NonFiniteError`` (naming a non-finite weight when there is one).
     """
     sequences = sorted(sequences, key=len, reverse=True)
     device = model.device
@@ -129,7 +131,7 @@ def sequence_nll(model: nn.Module, sequences: list[Tensor], *, batch_size: int =
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), finite_logits(model, desc):
             for start in console.progress(range(0, len(sequences), batch_size), desc=desc, unit="batch"):
                 input_ids, mask = _pad(sequences[start : start + batch_size])
                 labels = _shifted_labels(input_ids, mask).to(device)

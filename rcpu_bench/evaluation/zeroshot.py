@@ -55,6 +55,7 @@ from huggingface_hub import constants
 
 from rcpu_bench import console
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS, table_metric
+from rcpu_bench.finite import check_metrics, finite_logits
 from rcpu_bench.paths import data_dir as default_data_dir
 
 logger = logging.getLogger(__name__)
@@ -337,6 +338,34 @@ def fewshot_notes(plan: ZeroShotPlan) -> list[str]:
     return [note]
 
 
+def check_output_path(output_path: str | os.PathLike) -> None:
+    """Refuse an ``output_path`` lm-eval could not write to, before any work: lm-eval creates the directory
+    ``output_path`` (or the parent of a ``.json`` path), so its nearest existing ancestor must be a writable
+    directory."""
+    path = Path(output_path).expanduser()
+    target = path.parent if path.suffix == ".json" else path
+    existing = next(p for p in (target, *target.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise NotADirectoryError(f"output path {output_path}: {existing} is a file, so lm-eval cannot create "
+                                 f"{target} there; give a directory or a .json file in a writable directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"output path {output_path}: the directory {existing} is not writable")
+
+
+def save_lm_eval_outputs(tracker: Any, raw: dict[str, Any], samples: dict[str, Any] | None, output_path: Path) -> None:
+    """Write lm-eval's results (and samples) files, then check the results file is there: lm-eval's tracker logs a
+    failed write as a warning and carries on, which must not pass for a written file."""
+    tracker.save_results_aggregated(results=raw, samples=samples)
+    for name in (samples or {}):
+        tracker.save_results_samples(task_name=name, samples=samples[name])
+    date_id = getattr(tracker, "date_id", None)
+    folder = output_path.parent if output_path.suffix == ".json" else (
+        output_path / str(tracker.general_config_tracker.model_name_sanitized))
+    name = f"{output_path.stem}_{date_id}.json" if output_path.suffix == ".json" else f"results_{date_id}.json"
+    if date_id is None or not (folder / name).is_file():
+        raise OSError(f"lm-eval could not write its results under {output_path} (see its warning above)")
+
+
 def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan, *, log_samples: bool = False,
                  output_path: str | os.PathLike | None = None, model_name: str | None = None) -> dict[str, Any]:
     """Evaluate ``model`` as it is in memory on a checked plan; the result record (see ``evaluate_zeroshot``).
@@ -352,6 +381,8 @@ def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan, *, log_samples:
 
     if log_samples and output_path is None:
         raise ValueError("log_samples needs an output_path to write the samples to")
+    if output_path is not None:
+        check_output_path(output_path)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=plan.batch_size,
               max_length=model.config.max_position_embeddings)
     if not console.showing_bars():  # lm-eval's request bars follow --quiet and the terminal as ours do
@@ -362,20 +393,21 @@ def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan, *, log_samples:
     started = time.perf_counter()
     # No use_cache / cache_requests: lm-eval's caches are keyed by request, not by model. Global seeds None:
     # the caller's random state is left alone; the few-shot seed is lm-eval's default and private to the tasks.
-    raw = lm_eval.simple_evaluate(model=lm, model_args=f"pretrained={model_name}" if model_name else None,
-                                  tasks=task_specs(plan), task_manager=TaskManager(include_defaults=False),
-                                  num_fewshot=plan.num_fewshot, limit=plan.limit, log_samples=log_samples,
-                                  evaluation_tracker=tracker, random_seed=None, numpy_random_seed=None,
-                                  torch_random_seed=None, fewshot_random_seed=FEWSHOT_SEED)
+    with finite_logits(model, "zero-shot evaluation"):
+        raw = lm_eval.simple_evaluate(model=lm, model_args=f"pretrained={model_name}" if model_name else None,
+                                      tasks=task_specs(plan), task_manager=TaskManager(include_defaults=False),
+                                      num_fewshot=plan.num_fewshot, limit=plan.limit, log_samples=log_samples,
+                                      evaluation_tracker=tracker, random_seed=None, numpy_random_seed=None,
+                                      torch_random_seed=None, fewshot_random_seed=FEWSHOT_SEED)
     seconds = time.perf_counter() - started
     samples = raw.pop("samples", None)
     if tracker is not None:
-        tracker.save_results_aggregated(results=raw, samples=samples)
-        for name in (samples or {}):
-            tracker.save_results_samples(task_name=name, samples=samples[name])
+        save_lm_eval_outputs(tracker, raw, samples, Path(output_path))
     tasks = {task: paper_summary(raw, task, plan) for task in plan.tasks}
     paper_names = {lm_eval_name(task, plan.source) for task in plan.tasks}
     tasks.update({name: task_summary(raw, name) for name in raw["results"] if name not in paper_names})
+    for name, summary in tasks.items():
+        check_metrics({k: v for k, v in summary.items() if "_stderr" not in k}, f"zero-shot task {name}")
     examples = sum(raw["n-samples"][name]["effective"] for name in raw["n-samples"])
     return {"tasks": tasks, "metric_map": plan.metric_map,
             "metrics": {task: table_metric(task, plan.metric_map) for task in plan.tasks},

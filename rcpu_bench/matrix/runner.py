@@ -9,6 +9,7 @@ and retries the failed ones. One failing cell is recorded with its traceback and
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import closing
@@ -20,6 +21,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from rcpu_bench.matrix.executors import Executor, make_executor
+from rcpu_bench.matrix.fingerprints import Fingerprints, changes, stored_fingerprint
 from rcpu_bench.matrix.phases import (
     PHASE_LAMBDA_BEST,
     PhasePlan,
@@ -49,6 +51,8 @@ from rcpu_bench.paths import check_output_dir
 from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.pipeline import PruneConfig
 from rcpu_bench.registry import Registry, default_registry
+
+log = logging.getLogger(__name__)
 
 # Seconds per cell assumed for a model with no cell stored yet, by parameter count (upper bound, seconds):
 # stories260K on a 2-core CPU with the smoke matrix's evaluation subset, then rough guesses for a 1B model on a
@@ -253,19 +257,40 @@ def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local",
     cell_runner = make_executor(executor, ray_address=ray_address)
     plan = plan_phases(cells)
     store = Store(results_dir)
+    fingerprints = Fingerprints()
     with store.writing() as append:
-        finished = set(phase1_entries(store.entries())) if resume else set()
-        todo = [cell for cell in cells if cell.id not in finished]
+        finished = phase1_entries(store.entries()) if resume else {}
+        changed = changed_cells([cell for cell in cells if cell.id in finished], finished, fingerprints)
+        todo = [cell for cell in cells if cell.id not in finished or cell.id in changed]
         summary = RunSummary(store.dir, len(cells), skipped=len(cells) - len(todo), groups=len(plan.groups))
         if announce:
             announce(plan_text(matrix, cells, todo, store, plan))
-        phase = _Phase(cell_runner, registry, summary, append, progress)
+        phase = _Phase(cell_runner, registry, summary, append, progress, fingerprints)
         phase.run(f"matrix {matrix.name}", [(plan.phase1_cell(cell), cell) for cell in todo], plan.phase1_entry)
         if plan.groups:
             phase2 = plan.phase2(store.entries())
             summary.best_skipped, summary.best_waiting = phase2.done, len(phase2.waiting)
             phase.run(f"matrix {matrix.name} λ_best", [(best.cell, best) for best in phase2.todo], lambda_best_entry)
     return summary
+
+
+def changed_cells(cells: Sequence[Cell], finished: dict[str, dict[str, Any]],
+                  fingerprints: Fingerprints) -> set[str]:
+    """Ids of the finished ``cells`` whose stored entry was computed from other content than the model and
+    calibration data now at their paths (rcpu_bench.matrix.fingerprints): reported, and run again."""
+    changed, unchecked = set(), 0
+    for cell in cells:
+        entry = finished[cell.id]
+        differs = changes(entry, fingerprints.of(cell))
+        if differs:
+            changed.add(cell.id)
+            log.warning("cell %s (%s): its %s changed since it was stored; running it again",
+                        cell.id, cell.describe(), " and ".join(differs))
+        unchecked += "model" not in stored_fingerprint(entry)
+    if unchecked:
+        log.warning("%d finished cells were stored without a model fingerprint (before rcpu-bench recorded one): "
+                    "reused by model path; run with --no-resume to recompute them", unchecked)
+    return changed
 
 
 @dataclass
@@ -277,6 +302,7 @@ class _Phase:
     summary: RunSummary
     append: Callable[[dict[str, Any]], None]
     progress: bool
+    fingerprints: Fingerprints
 
     def run(self, name: str, jobs: Sequence[tuple[Cell, Any]],
             to_entry: Callable[[dict[str, Any], Any], dict[str, Any]]) -> None:
@@ -289,7 +315,18 @@ class _Phase:
         with closing(shown), closing(self.cell_runner.run([cell for cell, _ in jobs], self.registry,
                                                           shown.started)) as entries:
             for run in entries:
-                entry = to_entry(run, targets[run["cell_id"]])
+                target = targets[run["cell_id"]]
+                entry = to_entry(run, target)
+                if entry["status"] == OK:
+                    entry["fingerprint"] = self._fingerprint(getattr(target, "cell", target))
                 self.append(entry)
                 self.summary.add(entry)
                 shown.finished(entry)
+
+    def _fingerprint(self, cell: Cell) -> dict[str, str] | None:
+        """The cell's fingerprint; None, with a warning, when its files cannot be read now (the entry is kept)."""
+        try:
+            return self.fingerprints.of(cell)
+        except (OSError, ValueError) as error:
+            log.warning("cell %s: no fingerprint stored (%s); a rerun reuses it by path", cell.id, error)
+            return None

@@ -42,7 +42,7 @@ one-shot}`` is not RCPU (Rot.). Each cell is identified by ``Cell.id``, a hash o
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from itertools import product
@@ -110,10 +110,20 @@ def _lambda(where: str, value: Any) -> float:
     return lam
 
 
+def _matrix_name(where: str, value: Any) -> str:
+    """A matrix name: one path component, so that results/<name> stays inside results/."""
+    name = text(where, value)
+    if "/" in name or "\\" in name or ".." in name or name == ".":
+        raise MatrixError(f"{where}: {name!r} must be a plain name (no '/', '\\' or '..'): results go to "
+                          "results/<name>")
+    return name
+
+
 ABLATION_KEYS = (Key("compensate", listed(choice(COMPENSATE_VARIANTS)), "the modules compensated, one variant each: "
                      + ", ".join(COMPENSATE_VARIANTS), ()),)
 TOP_KEYS = (
-    Key("name", text, "results go to results/<name> by default", None, "the file's stem"),
+    Key("name", _matrix_name, "results go to results/<name> by default (no path separators, no ..)", None,
+        "the file's stem"),
     Key("models", listed(read_model), f"local directories or hub ids ({SHARED}: the shared fixtures), or "
         "mappings {model, label, revision}"),
     Key("methods", listed(read_method), "recipe keys, custom methods {name, ...options} or products "
@@ -171,6 +181,27 @@ def parse_matrix(raw: Any, default_name: str = "matrix") -> Matrix:
 # --------------------------------------------------------------------------------------------- loading
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping holds the same key twice."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping holding the same key twice (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}  # key → its 1-based line
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader's own error names an unhashable key
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise DuplicateKeyError(f"the key {key!r} is given twice in one mapping, on lines {lines[key]} "
+                                        f"and {line}; give each key once")
+            lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def shipped_matrices() -> list[str]:
     """Names of the matrices shipped with the package (``rcpu_bench/matrices/*.yaml``)."""
     return sorted(p.name.removesuffix(".yaml") for p in resources.files("rcpu_bench").joinpath("matrices").iterdir()
@@ -189,7 +220,7 @@ def read_matrix(name_or_file: str) -> tuple[Any, str]:
         shipped = ", ".join(shipped_matrices())
         raise MatrixError(f"no matrix file or shipped matrix {name_or_file!r}; shipped: {shipped}")
     try:
-        return yaml.safe_load(text), stem
+        return yaml.load(text, Loader=UniqueKeyLoader), stem
     except yaml.YAMLError as error:
         raise MatrixError(f"matrix {name_or_file}: not valid YAML: {error}") from None
 
@@ -200,7 +231,7 @@ def parse_set(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise MatrixError(f"--set {text!r}: expected dotted.key=value")
     try:
-        return key, yaml.safe_load(value)
+        return key, yaml.load(value, Loader=UniqueKeyLoader)
     except yaml.YAMLError as error:
         raise MatrixError(f"--set {text!r}: the value is not valid YAML: {error}") from None
 

@@ -15,7 +15,8 @@ An entry (read by the tables; keep the format)::
      "error": null | {"type", "message", "traceback"},
      "cell": {"matrix", "model", "model_label", "method", "method_label", "ratio", "n_calib", "seqlen",
               "calib", "lam", "prune", "ppl_profiles", "eval", "revision", "dtype", "device"},
-     "record": <run_experiment's Record, as JSON> | null, "finished_at": ISO time, "seconds": float}
+     "record": <run_experiment's Record, as JSON> | null, "finished_at": ISO time, "seconds": float,
+     "fingerprint": {"model", "calibration"} (ok entries; rcpu_bench.matrix.fingerprints)}
 
 A cell may have several entries (a failure, then a retry); the newest one counts.
 """
@@ -27,7 +28,7 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -84,12 +85,14 @@ class Store:
         self.path = self.dir / RECORDS
 
     def entries(self) -> list[dict[str, Any]]:
-        """Every complete entry, oldest first (a torn last line is skipped)."""
-        return read_records(self.path) if self.path.exists() else []
+        """Every complete entry, oldest first (a torn last line and lines that are not entries are skipped)."""
+        if not self.path.exists():
+            return []
+        return [entry for _, entry in _numbered_entries(read_records(self.path), self.path)]
 
     def latest(self) -> dict[str, dict[str, Any]]:
         """The newest entry of each cell id, in the order the newest entries were written."""
-        return {cell_id: entry for cell_id, (_, entry) in _newest(self.entries()).items()}
+        return {cell_id: entry for cell_id, (_, entry) in _newest(enumerate(self.entries(), start=1)).items()}
 
     def finished(self) -> set[str]:
         """Ids of the cells whose newest entry is ok: a resumed run skips them."""
@@ -196,7 +199,7 @@ def read_results(results_dir: str | Path, *, missing_ok: bool = False) -> Stored
         if missing_ok:
             return StoredResults((), 0)
         raise FileNotFoundError(f"no results store {path} (expected {RECORDS} in the --results directory)")
-    newest = _newest(read_records(path))  # a line that is not JSON: a ValueError naming it
+    newest = _newest(_numbered_entries(read_records(path), path))  # a line that is not JSON: a ValueError naming it
     ok = [(number, line) for number, line in newest.values() if line.get("status") == OK]
     for number, line in ok:
         _check_entry(line, f"{path}:{number}")
@@ -210,10 +213,28 @@ def _check_entry(entry: dict[str, Any], where: str) -> None:
             raise ValueError(f"{where}: entry {entry.get('cell_id')} has no {part} field {', '.join(missing)}")
 
 
-def _newest(lines: list[dict[str, Any]]) -> dict[Any, tuple[int, dict[str, Any]]]:
+def _numbered_entries(lines: list[Any], path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, entry) of each line that is a cell entry; any other line (``{}``, no cell id, an unknown
+    status) is skipped with a warning naming it, not counted as a failed cell."""
+    entries = []
+    for number, line in enumerate(lines, start=1):
+        if _is_entry(line):
+            entries.append((number, line))
+        else:
+            log.warning("%s:%d is not a cell entry (no cell_id, or status not %s/%s); skipped", path, number, OK,
+                        FAILED)
+    return entries
+
+
+def _newest(entries: Iterable[tuple[int, dict[str, Any]]]) -> dict[Any, tuple[int, dict[str, Any]]]:
     """cell id → (line number, its newest entry), in the order the newest entries were written."""
     newest: dict[Any, tuple[int, dict[str, Any]]] = {}
-    for number, line in enumerate(lines, start=1):
+    for number, line in entries:
         newest.pop(line.get("cell_id"), None)
         newest[line.get("cell_id")] = number, line
     return newest
+
+
+def _is_entry(line: Any) -> bool:
+    return (isinstance(line, dict) and isinstance(line.get("cell_id"), str) and bool(line["cell_id"])
+            and line.get("status") in (OK, FAILED))

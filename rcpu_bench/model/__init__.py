@@ -10,16 +10,29 @@ their signatures are kept stable (tests/test_adapter.py checks them):
   ``run_layer(layer, inputs)``;
 - loading and saving: ``LoadedModel``, ``load_model``, ``parameter_count``, ``save_pruned``,
   ``load_pruned``, ``load_saved``, and for a model method's own saver ``MANIFEST``,
-  ``write_atomically(directory, write, *, overwrite)`` and ``materialize(skeleton, directory, ...)``.
+  ``write_atomically(directory, write, *, overwrite)``, ``file_sha256(path)`` (record it as
+  ``"sha256": {weights: digest}``), ``recorded_sha256(manifest, where)`` (read it back) and
+  ``materialize(skeleton, directory, ..., sha256=...)`` (verifies it).
 """
 
 from rcpu_bench.model.adapter import check_architecture, decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
 from rcpu_bench.model.loading import LoadedModel, dtype_argument, load_model, parameter_count, resolve_dtype
-from rcpu_bench.model.persistence import MANIFEST, load_pruned, load_saved, materialize, save_pruned, write_atomically
+from rcpu_bench.model.persistence import (
+    MANIFEST,
+    file_sha256,
+    load_pruned,
+    load_saved,
+    materialize,
+    recorded_sha256,
+    save_pruned,
+    write_atomically,
+)
 from rcpu_bench.model.views import MODULES, LayerGeometry, LayerView, ModelView, UnitMap
 
 __all__ = ["MANIFEST", "MODULES", "LayerGeometry", "LayerInput", "LayerView", "LoadedModel", "ModelView", "UnitMap",
-           "capture_layer_inputs", "check_architecture", "decoder_layers", "dtype_argument", "layer_view",
-           "load_model", "load_pruned", "load_saved", "materialize", "model_view", "parameter_count", "resolve_dtype",
+           "capture_layer_inputs", "check_architecture", "decoder_layers", "dtype_argument", "file_sha256",
+           "layer_view",
+           "load_model", "load_pruned", "load_saved", "materialize", "model_view", "parameter_count", "recorded_sha256",
+           "resolve_dtype",
            "run_layer", "save_pruned", "write_atomically"]

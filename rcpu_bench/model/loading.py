@@ -28,6 +28,7 @@ from transformers import (
 )
 from transformers.utils.hub import cached_file, extract_commit_hash
 
+from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import check_architecture, check_prunable, supported
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
@@ -198,29 +199,21 @@ def load_config(name_or_path: str, revision: str | None = None, *,
     return config, commit
 
 
-def check_finite_weights(model: nn.Module, source: str) -> None:
-    """Raise a one-line error naming the first parameter (its layer and module) that holds a NaN or infinity."""
-    for name, tensor in model.named_parameters():
-        bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
-        if bad:
-            raise ValueError(f"model {source}: parameter {name} has {bad} NaN or infinite value(s) of "
-                             f"{tensor.numel()}; only finite weights can be pruned or evaluated")
-
-
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
                revision: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load a supported causal LM and its tokenizer, in eval mode, with provenance.
 
     ``name_or_path`` is a local directory or a Hub repo id (``revision`` may pin a branch, tag or
-    commit). The architecture is checked on a weightless skeleton before any weights are read. Code shipped
-    with the model runs only with ``trust_remote_code`` (see ``load_config``).
+    commit). The architecture is checked on a weightless skeleton before any weights are read; a NaN or ±inf
+    weight raises NonFiniteError naming its parameter (layer and module). Code shipped with the model runs only
+    with ``trust_remote_code`` (see ``load_config``).
     """
     torch_dtype, torch_device, source = resolve_dtype(dtype), check_device(device), model_source(name_or_path)
     config, commit = load_config(name_or_path, revision, trust_remote_code=trust_remote_code)
     pinned = commit or revision  # config, weights and tokenizer all from the same commit
     model = AutoModelForCausalLM.from_pretrained(source, config=config, revision=pinned,
                                                  trust_remote_code=trust_remote_code, **dtype_argument(torch_dtype))
-    check_finite_weights(model, name_or_path)
+    check_parameters(model, f"model {name_or_path}")
     model = model.to(torch_device).eval()
     tokenizer = load_tokenizer(source, pinned, trust_remote_code=trust_remote_code)
     provenance = {"name_or_path": name_or_path, "revision": revision, "commit_hash": commit,

@@ -11,19 +11,24 @@ A pruned model is saved as a directory with
   counts and added biases, loaded by the package's classes (registered when rcpu_bench.model is imported), or,
   without rcpu-bench, by the source written beside it with ``trust_remote_code=True``;
 - ``rcpu_manifest.json``: the shape of every layer (query/kv heads, head size, intermediate size,
-  o_proj/down_proj biases), the parameter count, the kind of config written, the method and the provenance;
+  o_proj/down_proj biases), the parameter count, the kind of config written, the method, the provenance and
+  the sha256 of the weights file (``"sha256": {file: hex digest}``), which loading verifies;
 - ``README.md``: a model card (method, ratio, calibration, parameter count, perplexities);
 - the tokenizer files, when a tokenizer is given.
 
 ``load_pruned`` builds the model without weights (meta device) from config.json, checks each layer
-against the manifest, then loads the weights strictly; it needs nothing but that directory, and also
-reads format versions 1 (the original config, which it shrinks layer by layer with the surgery functions)
-and 2 (a ``LlamaConfig``, or the Llama-only per-layer ``RcpuLlamaConfig`` it reads as an ``RcpuPrunedConfig``).
+against the manifest, checks the weights file's sha256 (and that ``weights`` names a file inside the directory),
+then loads the weights strictly; it needs nothing but that directory, and also reads format versions 1 (the
+original config, which it shrinks layer by layer with the surgery functions) and 2 (a ``LlamaConfig``, or the
+Llama-only per-layer ``RcpuLlamaConfig`` it reads as an ``RcpuPrunedConfig``).
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -39,6 +44,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import layer_geometries, model_view
 from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, format_2_per_layer_config, write_per_layer_config
 from rcpu_bench.model.loading import (
@@ -63,6 +69,9 @@ MANIFEST = "rcpu_manifest.json"
 WEIGHTS = "model.safetensors"
 CARD = "README.md"
 CONFIG_KINDS = ("family", "per_layer", "llama", "rcpu_llama", "original")  # the last three: formats 1 and 2
+_STAGING, _RETIRED = ".partial", ".old"  # suffixes of write_atomically's sibling directories
+
+log = logging.getLogger(__name__)
 
 
 def layer_records(model: PreTrainedModel) -> list[dict[str, Any]]:
@@ -140,7 +149,7 @@ def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
     """
     kind, config = saved_config(model)
     manifest = build_manifest(model, method, provenance, kind)
-    text = json.dumps(manifest, indent=2)  # a non-JSON method/provenance fails before anything is written
+    json.dumps(manifest, allow_nan=False)  # a non-JSON method/provenance fails before anything is written
     card = model_card(manifest, record)
 
     def write(staging: Path) -> None:
@@ -151,7 +160,8 @@ def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
             config.save_pretrained(staging)
         if tokenizer is not None:
             save_tokenizer(tokenizer, staging)
-        (staging / MANIFEST).write_text(text)
+        manifest["sha256"] = {WEIGHTS: file_sha256(staging / WEIGHTS)}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         (staging / CARD).write_text(card)
 
     write_atomically(directory, write, overwrite=overwrite)
@@ -250,12 +260,15 @@ def write_atomically(directory: str | os.PathLike, write: Callable[[Path], None]
     An interrupted or failing write leaves nothing behind (and an existing ``directory`` untouched); an
     existing ``directory`` raises FileExistsError unless ``overwrite`` or it is an empty directory (which
     ``Experiment.validate`` accepts for ``--save``, so the save after all the work must too). Every saver uses this.
+    A process killed mid-save cannot clean up: its staging directory (``.NAME.<pid>.<random>.partial``) is removed
+    by the next save to ``directory`` (``remove_stale_staging``).
     """
     target = Path(directory)
     if target.exists() and not overwrite and not (target.is_dir() and not any(target.iterdir())):
         raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    remove_stale_staging(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=_STAGING, dir=target.parent))
     try:
         write(staging)
         _publish(staging, target)
@@ -267,12 +280,80 @@ def write_atomically(directory: str | os.PathLike, write: Callable[[Path], None]
 def _publish(staging: Path, target: Path) -> None:
     """Move the finished ``staging`` directory to ``target``, replacing what was there."""
     if target.exists():
-        retired = staging.with_suffix(".old")
+        retired = staging.with_suffix(_RETIRED)
         target.rename(retired)
         staging.rename(target)
         shutil.rmtree(retired)
     else:
         staging.rename(target)
+
+
+def remove_stale_staging(target: Path) -> None:
+    """Remove the staging (and retired) directories beside ``target`` left by saves whose process is gone."""
+    for path in target.parent.glob(f".{glob.escape(target.name)}.*"):
+        if path.suffix in (_STAGING, _RETIRED) and path.is_dir() and not _writer_alive(path, target.name):
+            log.warning("removing %s, left by an interrupted save", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _writer_alive(path: Path, name: str) -> bool:
+    """Whether the process that named ``path`` (``.NAME.<pid>.…``) still runs; a name without a pid is stale."""
+    pid = path.name[len(name) + 2:].partition(".")[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 hex digest of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weights_file(directory: Path, name: Any) -> Path:
+    """The manifest's ``weights`` file: a relative name that stays inside ``directory`` (else ValueError)."""
+    path = directory / str(name)
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or not _inside(path, directory):
+        raise ValueError(f"{directory / MANIFEST}: weights {name!r} must name a file inside {directory}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory / MANIFEST} names the weights file {name!r}, which is missing")
+    return path
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    return path.resolve().is_relative_to(directory.resolve())
+
+
+def recorded_sha256(manifest: dict[str, Any], where: Path) -> str | None:
+    """The sha256 the manifest at ``where`` records for its ``weights`` file (which must lie in the manifest's
+    directory); None for a manifest written before checksums."""
+    weights_file(where.parent, manifest.get("weights"))
+    checksums = manifest.get("sha256")
+    if checksums is None:
+        return None
+    if not isinstance(checksums, dict) or not isinstance(checksums.get(manifest.get("weights")), str):
+        raise ValueError(f"{where}: sha256 records no checksum for the weights file {manifest.get('weights')!r}")
+    return checksums[manifest["weights"]]
+
+
+def verify_checksum(path: Path, expected: str | None) -> None:
+    """Compare ``path``'s sha256 with the manifest's; a directory saved before checksums is loaded with a warning."""
+    if expected is None:
+        log.warning("%s has no recorded sha256 (saved before rcpu-bench recorded checksums): not verified", path)
+        return
+    found = file_sha256(path)
+    if found != expected:
+        raise ValueError(f"{path} is corrupted or was replaced: its sha256 is {found}, the manifest records "
+                         f"{expected}")
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:
@@ -350,7 +431,8 @@ def load_pruned(directory: str | os.PathLike, *, dtype: str = "float32", device:
     model = build_skeleton(config, manifest["layers"], resolve_dtype(dtype), reshape=kind == "original",
                            trust_remote_code=trust_remote_code)
     return materialize(model, directory, manifest["weights"], manifest["parameter_count"], dtype=dtype, device=device,
-                       method=manifest["method"], source=manifest["provenance"])
+                       sha256=recorded_sha256(manifest, directory / MANIFEST), method=manifest["method"],
+                       source=manifest["provenance"])
 
 
 def read_saved_config(directory: Path, manifest: dict, *, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -371,16 +453,20 @@ def read_saved_config(directory: Path, manifest: dict, *, trust_remote_code: boo
 
 
 def materialize(skeleton: PreTrainedModel, directory: Path, weights: str, expected_count: int, *, dtype: str,
-                device: str, **provenance: Any) -> LoadedModel:
-    """Fill a weightless (meta) model of the saved shape from ``directory``: strict load, parameter count checked.
+                device: str, sha256: str | None = None, **provenance: Any) -> LoadedModel:
+    """Fill a weightless (meta) model of the saved shape from ``directory``: weights file confined to ``directory``
+    and checked against its recorded ``sha256``, strict load, parameter count checked.
 
     Shared by every saved-model format (ours and the model-method plugins'); ``provenance`` joins the record.
     """
+    path = weights_file(directory, weights)
+    verify_checksum(path, sha256)
     torch_device = resolve_device(device)
     skeleton.to_empty(device=torch_device)
     skeleton.init_weights()  # re-ties the embeddings (the weights themselves are overwritten below)
     recompute_rotary(skeleton)
-    load_weights(skeleton, directory / weights, strict=True, device=str(torch_device))
+    load_weights(skeleton, path, strict=True, device=str(torch_device))
+    check_parameters(skeleton, f"saved model {directory}")
     count = parameter_count(skeleton)
     if count != expected_count:
         raise ValueError(f"the rebuilt model has {count} parameters; the manifest says {expected_count}")

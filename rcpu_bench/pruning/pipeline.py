@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from rcpu_bench import console
 from rcpu_bench.compensation.diagnostics import module_generalisation
+from rcpu_bench.finite import check_parameters, check_tensor
 from rcpu_bench.model.adapter import check_prunable, decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
 from rcpu_bench.model.views import LayerView, UnitMap
@@ -90,9 +91,11 @@ def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: 
     diagnostics = {} if held_out is None else {
         "generalisation": module_generalisation(proj.weight, stats, held_out, columns.kept, compensator.name, result)}
     view.apply(module, columns, result.weight, added_bias(proj.bias, result.bias))
+    # The compensator's own diagnostics (already checked strict-JSON by the registry) stay under "info", so no
+    # plugin can overwrite the harness's fields.
     return {"compensator": compensator.name, "units_total": len(units.kept) + len(units.pruned),
-            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info, **diagnostics,
-            **post_norm_notes(view, module, result.info)}
+            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), "info": dict(result.info),
+            **diagnostics, **post_norm_notes(view, module, result.info)}
 
 
 def added_bias(existing: Tensor | None, compensation: Tensor | None) -> Tensor | None:
@@ -213,9 +216,11 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     for index, layer in enumerate(console.progress(layers, desc="pruning layers", unit="layer", enabled=progress)):
         timer = Timer(device)
         with _on_device(layer, device, config.offload):
+            check_parameters(layer, f"layer {index} before pruning")
             selection = selections[index] if selections else None
             held_stats = held.dense_stats(layer, timer) if held else None
-            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selection, held_stats)
+            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selection, held_stats, index=index)
+            check_parameters(layer, f"layer {index} after pruning and compensation")
             if config.statistics == "sequential":
                 with timer("forward"):
                     outputs = run_layer(layer, inputs)
@@ -236,6 +241,7 @@ def _run_model_method(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
     assert method is not None  # prune_model resolved config.model_method, which is set on this path
     with timer(config.model_method):
         report = method(model, calib_ids.to(device), ratio=config.ratio, **config.model_method_params)
+    check_parameters(model, f"after the model method {config.model_method}")
     return PruneReport([], timer.seconds, _peak_memory(device), report)
 
 
@@ -267,8 +273,8 @@ def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig,
 
 
 def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig, methods: Resolved, timer: Timer,
-                 selections: dict[str, Selection] | None, held_out: dict[str, ActivationStats] | None = None
-                 ) -> tuple[dict[str, Any], list[Tensor]]:
+                 selections: dict[str, Selection] | None, held_out: dict[str, ActivationStats] | None = None, *,
+                 index: int) -> tuple[dict[str, Any], list[Tensor]]:
     """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
     modules = [m for m in MODULES if m in config.prune]
     gram = _gram_modules(modules, config, methods)
@@ -279,10 +285,16 @@ def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig
         if module == "mlp" and config.recollect_mlp and "attention" in modules:
             with timer("statistics"):
                 stats["mlp"] = _collect(layer, ["mlp"], inputs, gram, config.gram_precision)[0]["mlp"]
+        _check_statistics(stats[module], index, module)
         units = selections[module] if selections else None
         report[module] = prune_module(layer, module, stats[module], config, methods, timer, units,
                                       held_out[module] if held_out else None)
     return report, dense_outputs
+
+
+def _check_statistics(stats: ActivationStats, index: int, module: str) -> None:
+    """Σx² is NaN or inf exactly when some calibration input is: stop before a scorer sees it."""
+    check_tensor(stats.sq_sum, f"layer {index} {module}: the statistics of its pruned projection's inputs")
 
 
 # FLAP's adaptive structure (AL-AM) ------------------------------------------------------------------
@@ -322,8 +334,10 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
     units: list[Unit] = []
     for index, layer in enumerate(decoder_layers(model)):
         with _on_device(layer, device, config.offload):
+            check_parameters(layer, f"layer {index} before pruning")
             stats, outputs = _collect(layer, modules, inputs, gram_modules=[])
             for module in modules:
+                _check_statistics(stats[module], index, module)
                 scores = methods.scorer(layer_view(layer).projection(module).weight, stats[module],
                                         **config.scorer_params)
                 units += _layer_units(layer, index, module, scores, config.gqa_rule)

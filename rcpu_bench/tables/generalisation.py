@@ -14,12 +14,14 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from rcpu_bench.atomic_file import write_file_atomically
 from rcpu_bench.matrix.lambda_rules import choose
 from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.methods import percent
@@ -182,6 +184,7 @@ def write_plots(results: Sequence[StoredResult], out_dir: str | Path) -> list[Pa
                      draw_layers(model, ratio, n, runs)) for n in _sizes(runs)]
         out_dir.mkdir(parents=True, exist_ok=True)
         for name, figure in figures:
-            figure.savefig(out_dir / name, format="png", bbox_inches="tight", metadata={"Software": None})
+            write_file_atomically(out_dir / name, partial(figure.savefig, format="png", bbox_inches="tight",
+                                                          metadata={"Software": None}))
             paths.append(out_dir / name)
     return paths

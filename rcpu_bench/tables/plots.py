@@ -14,6 +14,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from rcpu_bench.atomic_file import write_file_atomically
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, resolve
 from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.methods import percent
@@ -257,6 +259,7 @@ def write_plots(results: Sequence[StoredResult], out_dir: str | Path, profile: s
             for fmt in FORMATS:
                 path = out_dir / f"{_file_stem(kind, model)}.{fmt}"
                 with matplotlib.rc_context({"svg.hashsalt": "rcpu-bench"}):
-                    figure.savefig(path, format=fmt, dpi=DPI, bbox_inches="tight", metadata=_METADATA[fmt])
+                    write_file_atomically(path, partial(figure.savefig, format=fmt, dpi=DPI, bbox_inches="tight",
+                                                        metadata=_METADATA[fmt]))
                 paths.append(path)
     return paths + generalisation.write_plots(results, out_dir)

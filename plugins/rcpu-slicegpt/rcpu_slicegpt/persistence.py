@@ -37,10 +37,12 @@ from rcpu_bench.model import (
     MANIFEST,
     LoadedModel,
     dtype_argument,
+    file_sha256,
     layer_view,
     materialize,
     model_view,
     parameter_count,
+    recorded_sha256,
     resolve_dtype,
     write_atomically,
 )
@@ -78,14 +80,15 @@ def save_sliced(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "weights": WEIGHTS,
               "hidden_size": plan.hidden_size, "layers": [asdict(dims) for dims in plan.layers],
               "parameter_count": parameter_count(model), "report": report or {}, "saved_with": library_versions()}
-    text = json.dumps(config, indent=2)  # a non-JSON report fails before anything is written
+    json.dumps(config)  # a non-JSON report fails before anything is written
 
     def write(staging: Path) -> None:
         save_model(model, str(staging / WEIGHTS), metadata={"format": "pt"})
         model.config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        (staging / SLICING_CONFIG).write_text(text)
+        config["sha256"] = {WEIGHTS: file_sha256(staging / WEIGHTS)}  # verified by materialize when loading
+        (staging / SLICING_CONFIG).write_text(json.dumps(config, indent=2))
         (staging / MANIFEST).write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
                                                     "model_method": "slicegpt"}))
 
@@ -161,4 +164,4 @@ def load_sliced(directory: str | os.PathLike, *, dtype: str = "float32", device:
     plan = SlicePlan(slicing["hidden_size"], tuple(LayerDims(**dims) for dims in slicing["layers"]))
     model = build_skeleton(config, plan, resolve_dtype(dtype))
     return materialize(model, directory, slicing["weights"], slicing["parameter_count"], dtype=dtype, device=device,
-                       method=slicing["report"])
+                       sha256=recorded_sha256(slicing, directory / SLICING_CONFIG), method=slicing["report"])

@@ -1,0 +1,80 @@
+"""What a stored cell was computed from, by content: the model's files and the calibration text.
+
+A cell id hashes the *names* of its model and calibration source, so a model directory overwritten with other
+weights, or an edited ``file:`` corpus, keeps its ids. Every store entry therefore keeps a fingerprint
+(``entry["fingerprint"] = {"model": ..., "calibration": ...}``), and a resumed run skips a finished cell only
+when both still match; a changed one is reported and run again (cell ids are unchanged).
+
+- model: for a local directory, ``sha256:`` + sha256 over the sorted (file name, sha256 of its bytes) of every
+  file in it (config, weights, tokenizer, manifest; not subdirectories): a content hash. Reading the weights
+  costs about as long as loading them, once per model and run; sizes or safetensors headers alone would miss
+  other weights of the same shapes. For a hub id, ``commit:`` + the resolved commit, which fixes the content.
+- calibration: the sha256 of the calibration source's file (``record["calibration"]["sha256"]``, which entries
+  written before fingerprints also hold).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from rcpu_bench import data
+from rcpu_bench.matrix.cells import Cell
+from rcpu_bench.model.loading import load_config, model_source
+from rcpu_bench.model.persistence import file_sha256
+
+
+def model_fingerprint(name_or_path: str, revision: str | None = None) -> str:
+    """``sha256:<hex>`` of a local model directory's files, or ``commit:<hash>`` for a hub id."""
+    source = Path(model_source(name_or_path))
+    if not source.is_dir():
+        _, commit = load_config(name_or_path, revision)
+        if commit is None:
+            raise ValueError(f"model {name_or_path!r}: neither a local directory nor a hub commit to fingerprint")
+        return f"commit:{commit}"
+    digest = hashlib.sha256()
+    for path in sorted(path for path in source.iterdir() if path.is_file()):
+        digest.update(f"{path.name}\0{file_sha256(path)}\n".encode())
+    return f"sha256:{digest.hexdigest()}"
+
+
+def calibration_fingerprint(calib: str, data_dir: str | None = None) -> str:
+    """The sha256 of the text a calibration spec draws from."""
+    return data.load_source(data.parse_calib(calib).source, data_dir).sha256
+
+
+class Fingerprints:
+    """Each cell's fingerprint, computed once per model and calibration source in a run."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, ...], str] = {}
+
+    def _once(self, key: tuple[str, ...], compute: Any) -> str:
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def of(self, cell: Cell) -> dict[str, str]:
+        experiment = cell.experiment()
+        model = self._once(("model", experiment.model, str(cell.revision)),
+                           lambda: model_fingerprint(experiment.model, cell.revision))
+        calib = self._once(("calibration", experiment.calib),
+                           lambda: calibration_fingerprint(experiment.calib, experiment.data_dir))
+        return {"model": model, "calibration": calib}
+
+
+def stored_fingerprint(entry: dict[str, Any]) -> dict[str, str]:
+    """What an entry records of its content: its fingerprint, or for an entry written before fingerprints the
+    calibration sha256 its record holds (the model then cannot be checked)."""
+    stored = dict(entry.get("fingerprint") or {})
+    calibration = ((entry.get("record") or {}).get("calibration") or {}).get("sha256")
+    if calibration is not None:
+        stored.setdefault("calibration", calibration)
+    return stored
+
+
+def changes(entry: dict[str, Any], current: dict[str, str]) -> list[str]:
+    """What differs between the content ``entry`` was computed from and ``current``: e.g. ``["model"]``."""
+    stored = stored_fingerprint(entry)
+    return [key for key in current if key in stored and stored[key] != current[key]]
