@@ -9,8 +9,7 @@ windows, batches of 8 windows), on the CPU or a CUDA device:
   (``activation='mean-abs'``, the official statistic), floor selection, the registry's compensator,
   surgery.
 * **official** (docs/methods.md §4, the official code replayed independently): forward hooks store X and Y of
-  both modules
-  in float32 (preallocated: a lower bound of the reference's concatenated copies, on the same device)
+  both modules in float32 (preallocated: a lower bound of the reference's concatenated copies, on the same device)
   and a running Σ|x|; score γ_j = ‖W_j‖₂·mean|x_j|·Var(x_j) (float32, population variance), head
   scores summed, threshold sorted[⌊ρn⌋] with score ≥ threshold kept; procrustes: M = Y Zᵀ with
   Z = W_K X_K, ``torch.linalg.svd`` in float32, Q W_K; ridge: (Y X_Kᵀ + λW_K)·inv(X_K X_Kᵀ + λI).
