@@ -126,7 +126,7 @@ def run_ours(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) -> dic
     results: dict[str, Any] = {}
     for module in MODULES:
         module_timer = Timer(timer.device)
-        report = prune_module(layer, module, stats[module], config, methods, module_timer)
+        report = prune_module(layer_view(layer), module, stats[module], config, methods, module_timer)
         for part, seconds in module_timer.seconds.items():
             timer.seconds[f"{MODULES[module]} {part}"] = seconds
         mapping = layer_view(layer).units(module, config.gqa_rule)

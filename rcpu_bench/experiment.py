@@ -99,7 +99,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
                    if holdout else None)
     params_before = parameter_count(model)
     report = prune_model(model, calib.tokens, experiment.prune, registry=registry, device=experiment.device,
-                         progress=progress, holdout_ids=holdout_ids, reuse_capture=reuse_capture)
+                         progress=progress, holdout_ids=holdout_ids, reuse_capture=reuse_capture,
+                         validated=True)
     params_after = parameter_count(model)
     model.to(experiment.device)
     calib_nll, calib_targets = perplexity.sequence_nll(model, list(calib.tokens), batch_size=experiment.eval_batch_size,

@@ -176,7 +176,8 @@ def test_tables_choose_lambda_by_each_rule_and_figures_are_written(tmp_path):
     assert "0.1000" in text and "N_calib=4" in text
     paths = generalisation.write_plots(entries, tmp_path)
     names = sorted(p.name for p in paths)
-    assert names == ["holdout_error_per_layer_m_0.2_N4.png", "holdout_error_vs_ncalib_m_0.2.png"]
+    stems = ("holdout_error_per_layer_m_0.2_N4", "holdout_error_vs_ncalib_m_0.2")
+    assert names == sorted(f"{stem}.{fmt}" for stem in stems for fmt in ("png", "pdf", "svg"))
     assert all(Path(p).stat().st_size > 0 for p in paths)
     without = replace(entries[2], record=replace(entries[2].record, generalisation=None))
     assert generalisation.make_tables([without]) == []

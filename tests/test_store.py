@@ -19,6 +19,7 @@ from rcpu_bench.matrix.store import (
     StoredResult,
     error_info,
     make_entry,
+    newest_entries,
     read_results,
 )
 from rcpu_bench.records import Record
@@ -134,3 +135,12 @@ def test_read_results_names_an_entry_without_the_fields_tables_read(tmp_path):
 def test_read_results_of_a_directory_without_a_store_is_empty_when_allowed(tmp_path):
     assert read_results(tmp_path, missing_ok=True) == read_results(tmp_path, missing_ok=True)
     assert read_results(tmp_path, missing_ok=True).results == () and read_results(tmp_path, missing_ok=True).failed == 0
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 9)), max_size=12))
+def test_newest_entries_is_each_cells_last_entry_in_order_of_last_writes(pairs):
+    entries = [{"cell_id": cell, "n": n} for cell, n in pairs]
+    last = {cell: max(i for i, (c, _) in enumerate(pairs) if c == cell) for cell, _ in pairs}
+    expected = [entries[i] for i in sorted(last.values())]
+    assert list(newest_entries(entries).values()) == expected
+    assert list(newest_entries(entries)) == [e["cell_id"] for e in expected]

@@ -28,14 +28,16 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from rcpu_bench.records import Record, append_record, read_records
+
+T = TypeVar("T")
 
 RECORDS = "records.jsonl"
 OK, FAILED = "ok", "failed"
@@ -90,7 +92,7 @@ class Store:
 
     def latest(self) -> dict[str, dict[str, Any]]:
         """The newest entry of each cell id, in the order the newest entries were written."""
-        return {cell_id: entry for cell_id, (_, entry) in _newest(self.entries()).items()}
+        return newest_entries(self.entries())
 
     def finished(self) -> set[str]:
         """Ids of the cells whose newest entry is ok: a resumed run skips them."""
@@ -198,7 +200,7 @@ def read_results(results_dir: str | Path, *, missing_ok: bool = False) -> Stored
             return StoredResults((), 0)
         raise FileNotFoundError(f"no results store {path} (expected {RECORDS} in the --results directory)")
     try:
-        newest = _newest(read_records(path))
+        newest = newest_entries(enumerate(read_records(path), start=1), cell_id=lambda line: line[1].get("cell_id"))
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not a JSONL results store: {error}") from error
     ok = [(number, line) for number, line in newest.values() if line.get("status") == OK]
@@ -214,10 +216,13 @@ def _check_entry(entry: dict[str, Any], where: str) -> None:
             raise ValueError(f"{where}: entry {entry.get('cell_id')} has no {part} field {', '.join(missing)}")
 
 
-def _newest(lines: list[dict[str, Any]]) -> dict[Any, tuple[int, dict[str, Any]]]:
-    """cell id → (line number, its newest entry), in the order the newest entries were written."""
-    newest: dict[Any, tuple[int, dict[str, Any]]] = {}
-    for number, line in enumerate(lines, start=1):
-        newest.pop(line.get("cell_id"), None)
-        newest[line.get("cell_id")] = number, line
+def newest_entries(entries: Iterable[T], cell_id: Callable[[T], Any] = lambda entry: entry.get("cell_id")
+                   ) -> dict[Any, T]:
+    """The newest entry of each cell id (a later entry of a cell replaces its earlier ones), in the order the
+    newest entries were written: the one rule by which a store's cells are read."""
+    newest: dict[Any, T] = {}
+    for entry in entries:
+        key = cell_id(entry)
+        newest.pop(key, None)
+        newest[key] = entry
     return newest
