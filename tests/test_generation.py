@@ -28,9 +28,9 @@ def argmax_loop(model, tokenizer, prompt: str, new_tokens: int) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)[len(prompt_text):]
 
 
-@pytest.fixture(scope="module")
-def models():
-    return {name: load_model(str(path)) for name, path in (("gqa", STORIES), ("mha", STORIES_MHA))}
+@pytest.fixture
+def models(stories_260k):
+    return stories_260k
 
 
 @needs_stories

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from registries import builtin_registry
 from tiny_matrices import tiny_matrix, tiny_raw, write_matrix
 from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
@@ -30,9 +31,9 @@ from rcpu_bench.matrix.runner import (
 from rcpu_bench.matrix.spec import MatrixError, expand, load_matrix
 from rcpu_bench.matrix.store import Store, read_results
 from rcpu_bench.records import Record
-from rcpu_bench.registry import build_registry, default_registry, plugin_manager
+from rcpu_bench.registry import build_registry, plugin_manager
 
-REGISTRY = default_registry()
+REGISTRY = builtin_registry()
 TIMEOUT_S = 120
 
 
