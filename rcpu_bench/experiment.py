@@ -19,6 +19,8 @@ from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
 from rcpu_bench.evaluation.generation import text_sample
 from rcpu_bench.evaluation.speed import inference_speed
 from rcpu_bench.model.loading import (
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
     LoadedModel,
     load_config,
     load_model,
@@ -44,8 +46,8 @@ class Experiment:
     calib: str = DEFAULT_CALIB
     ppl_profiles: tuple[str, ...] = ("rcpu128",)
     revision: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = DEFAULT_DTYPE
+    device: str = DEFAULT_DEVICE
     eval_batch_size: int = EVAL_BATCH_SIZE
     data_dir: str | None = None
     save_dir: str | None = None
