@@ -57,7 +57,7 @@ class Experiment:
         self.prune.validate(registry)
         resolve_dtype(self.dtype)
         resolve_device(self.device)
-        config, _ = load_config(self.model, self.revision)
+        config, _ = load_config(self.model, self.revision, prune=() if self.prune.model_method else self.prune.prune)
         spec = data.parse_calib(self.calib)
         if spec.seqlen > config.max_position_embeddings:
             raise ValueError(f"calibration seqlen {spec.seqlen} exceeds the model's max_position_embeddings "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from rcpu_bench.commands import command
+from rcpu_bench.commands import command, export
 from rcpu_bench.commands.shared import add_eval_batch_size_option
 from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, run_experiment
 from rcpu_bench.model.loading import add_model_options
@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--save", metavar="DIR", help="save the pruned model (safetensors + shape manifest)")
     p.add_argument("--out", metavar="JSONL", help="append the result record to this file")
+    export.add_prune_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -51,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
                             ppl_profiles=tuple(args.ppl or [DEFAULT_PPL]), revision=args.revision, dtype=args.dtype,
                             device=args.device, eval_batch_size=args.eval_batch_size, data_dir=args.data_dir,
                             save_dir=args.save)
+    if args.export_gguf:
+        if not args.save:
+            raise ValueError("--export-gguf needs --save DIR (the GGUF file is written from the saved model)")
+        export.check_export(experiment.model, args.export_gguf, args.gguf_outtype, check_model=False)
     record = run_experiment(experiment, progress=not args.quiet)  # validated whole before any work
     print(summary(record))
     if args.out:
@@ -58,4 +63,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"record appended to {args.out}")
     if args.save:
         print(f"pruned model saved to {args.save}")
+    if args.export_gguf:
+        print(export.describe(export.export_model(args.save, args.export_gguf, args.gguf_outtype)))
     return 0

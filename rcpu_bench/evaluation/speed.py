@@ -53,6 +53,22 @@ def prefill_and_decode(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[
     return prefill, decoding
 
 
+def check_counts(**counts: int) -> None:
+    """ValueError naming the first of ``counts`` (batch_size, prompt_tokens, ...) that is not a positive integer."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def rates(runs: list[tuple[float, float]], *, batch_size: int, prompt_tokens: int,
+          new_tokens: int) -> tuple[float, float]:
+    """(prefill, decode) tokens/s from (prefill seconds, decode seconds) runs: batch_size · prompt_tokens /
+    median t_prefill and batch_size · new_tokens / median t_decode."""
+    prefill = statistics.median(run[0] for run in runs)
+    decode = statistics.median(run[1] for run in runs)
+    return batch_size * prompt_tokens / prefill, batch_size * new_tokens / decode
+
+
 def inference_speed(model: Any, *, batch_size: int = BATCH_SIZE, prompt_tokens: int = PROMPT_TOKENS,
                     new_tokens: int = NEW_TOKENS, repeats: int = REPEATS, seed: int = 0) -> dict[str, Any]:
     """Prefill and decode throughput of ``model`` on its device, after an untimed warm-up (a prefill and one step).
@@ -63,10 +79,7 @@ def inference_speed(model: Any, *, batch_size: int = BATCH_SIZE, prompt_tokens: 
     (``prefill_and_decode``). Returns exactly batch_size, prompt_tokens, new_tokens,
     prefill_tokens_per_s, decode_tokens_per_s, device and repeats.
     """
-    for name, value in (("batch_size", batch_size), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens),
-                        ("repeats", repeats)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_counts(batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats)
     limit = model.config.max_position_embeddings
     if prompt_tokens + new_tokens > limit:
         raise ValueError(f"prompt_tokens + new_tokens = {prompt_tokens + new_tokens} exceeds the model's "
@@ -76,8 +89,6 @@ def inference_speed(model: Any, *, batch_size: int = BATCH_SIZE, prompt_tokens: 
     ids = torch.randint(model.config.vocab_size, (batch_size, prompt_tokens), generator=generator).to(device)
     prefill_and_decode(model, ids, 1)  # warm-up of both kinds of step (kernels, allocator, lazy initialisation)
     runs = [prefill_and_decode(model, ids, new_tokens) for _ in range(repeats)]
-    prefill = statistics.median(run[0] for run in runs)
-    decode = statistics.median(run[1] for run in runs)
+    prefill, decode = rates(runs, batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
     return {"batch_size": batch_size, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-            "prefill_tokens_per_s": batch_size * prompt_tokens / prefill,
-            "decode_tokens_per_s": batch_size * new_tokens / decode, "device": str(device), "repeats": repeats}
+            "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode, "device": str(device), "repeats": repeats}

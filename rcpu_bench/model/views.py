@@ -6,7 +6,8 @@ heads of ``head_dim``; and ``"mlp"``, whose consumer is the down projection, one
 channel. The *producers* are the projections whose output rows go with those columns (docs/methods.md §1):
 query, key and value rows for a head or key/value group, gate and up rows for a channel.
 
-A family (``rcpu_bench.model.llama``) subclasses ``LayerView`` and ``ModelView`` and names its modules;
+A family (``rcpu_bench.model.llama``, the Llama-like base of ``rcpu_bench.model.families``) subclasses
+``LayerView`` and ``ModelView`` and names its modules;
 ``rcpu_bench.model.adapter`` lists the families. Everything else here (geometry, units, their parameter
 cost, applying a selection) follows from the projections' current shapes, because layers differ after
 pruning.
@@ -96,6 +97,14 @@ class LayerView(ABC):
     def prune_channels(self, kept: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                        physical: bool = True) -> None:
         """Keep intermediate channels ``kept`` (``rcpu_bench.model.surgery``)."""
+
+    def post_norm(self, module: str) -> nn.Module | None:
+        """The norm the module's output goes through before the residual (Gemma's sandwich norms), or None."""
+        return None
+
+    def refusal(self, module: str) -> str | None:
+        """Why the module's units cannot be removed exactly in this layer (OLMo-2's heads), or None."""
+        return None
 
     def projection(self, module: str) -> nn.Linear:
         """The module's pruned projection (consumer), whose input columns the units are."""

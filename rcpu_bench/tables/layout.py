@@ -66,10 +66,26 @@ def any_row(result: StoredResult) -> str | None:
     return method_row(result) or other_row(result)
 
 
+SCALE_VOID = " [scale void: post-norm]"
+
+
+def scale_void(result: StoredResult) -> bool:
+    """Whether a module's post-norm divided out the compensator's scale (``scale_void`` in the record's module
+    reports, ``rcpu_bench.pruning.pipeline.post_norm_notes``): e.g. Gemma's scaled-procrustes is procrustes."""
+    return any(report.get("scale_void") for layer in result.record.layers or []
+               for report in layer.values() if isinstance(report, dict))
+
+
+def _marked(label: str, result: StoredResult) -> str:
+    """The row label, marked when the run is not the distinct method its name says (``scale_void``)."""
+    return label + SCALE_VOID if scale_void(result) else label
+
+
 def method_row(result: StoredResult) -> str | None:
     """The row of a main table: the named method (the paper's rows) of a run pruning and compensating both
     modules."""
-    return label_of(result.prune) if compensates_all(result) else None
+    label = label_of(result.prune) if compensates_all(result) else None
+    return None if label is None else _marked(label, result)
 
 
 def other_row(result: StoredResult) -> str | None:
@@ -77,7 +93,7 @@ def other_row(result: StoredResult) -> str | None:
     configuration, under its label from the final configuration (e.g. ``wanda-sp+ridge``)."""
     if not compensates_all(result) or label_of(result.prune) is not None:
         return None
-    return cell_label(result.cell)
+    return _marked(cell_label(result.cell), result)
 
 
 def ablation_row(result: StoredResult) -> str | None:
