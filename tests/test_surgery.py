@@ -135,6 +135,7 @@ def test_surgery_on_cuda_keeps_the_device():
     assert torch.equal(generate(pruned, ids, use_cache=True), generate(pruned, ids, use_cache=False))
 
 
+@pytest.mark.slow
 @needs_stories
 def test_generate_on_pruned_stories(stories):
     model = copy.deepcopy(stories["gqa"])
