@@ -103,7 +103,8 @@ def kept_columns(pruned_units: list[int], n_units: int, unit: int) -> torch.Tens
 
 
 @needs_stories
-@pytest.mark.parametrize("compensator", ["ridge", "procrustes", "none"])
+@pytest.mark.parametrize("compensator", [pytest.param("ridge", marks=pytest.mark.slow), "procrustes",
+                                         pytest.param("none", marks=pytest.mark.slow)])
 def test_held_out_errors_match_materialised_activations_of_the_pruned_model(compensator):
     """Layer 0 sees the held-out windows through the dense embeddings; layer 1 through the pruned layer 0."""
     dense = LlamaForCausalLM.from_pretrained(STORIES_MHA, dtype=torch.float32).eval()
@@ -128,6 +129,7 @@ def test_held_out_errors_match_materialised_activations_of_the_pruned_model(comp
                 assert got[key] == pytest.approx(want, rel=2e-4, abs=1e-7), (layer, module, key)
 
 
+@pytest.mark.slow
 @needs_stories
 def test_prune_cli_records_the_generalisation_summary(tmp_path):
     out = tmp_path / "r.jsonl"
