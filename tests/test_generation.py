@@ -34,7 +34,9 @@ def models(stories_260k):
 
 
 @needs_stories
-@pytest.mark.parametrize("prompt, new_tokens", [(SAMPLE_PROMPT, 24), ("Tom and his dog", 40), ("The", 3)])
+@pytest.mark.parametrize("prompt, new_tokens", [pytest.param(SAMPLE_PROMPT, 24, marks=pytest.mark.slow),
+                                                pytest.param("Tom and his dog", 40, marks=pytest.mark.slow),
+                                                ("The", 3)])
 def test_greedy_continuation_equals_an_argmax_loop(models, prompt, new_tokens):
     texts = {name: greedy_continuation(m.model, m.tokenizer, prompt, new_tokens) for name, m in models.items()}
     expected = argmax_loop(models["gqa"].model, models["gqa"].tokenizer, prompt, new_tokens)
