@@ -302,8 +302,8 @@ def sample_windows(ids: Tensor, n_samples: int, seqlen: int, seed: int) -> Tenso
     A private ``random.Random(seed)`` draws the same offsets as the reference's ``random.seed(seed)``.
     """
     if len(ids) < seqlen + 1:
-        raise ValueError(f"calibration seqlen {seqlen} needs a token stream of at least {seqlen + 1} tokens; "
-                         f"the stream has {len(ids)}")
+        raise ValueError(f"calibration seqlen {seqlen} needs a token stream of at least {seqlen + 1} tokens but the "
+                         f"source gives {len(ids)}; allowed: a seqlen of at most {len(ids) - 1} or a longer source")
     rng = random.Random(seed)
     starts = [rng.randint(0, len(ids) - seqlen - 1) for _ in range(n_samples)]
     return torch.stack([ids[i : i + seqlen] for i in starts])
@@ -335,7 +335,8 @@ def holdout_windows(spec: CalibSpec | str, tokenizer, n_windows: int, *, data_di
 
     The offsets continue the calibration's random stream (``random.Random(seed)`` after its ``n_samples``
     draws), rejecting every window that overlaps a calibration window; held-out windows may overlap each
-    other, as calibration windows do. Raises if the stream is too short to find them.
+    other, as calibration windows do. More than :func:`holdout_capacity` of them is refused up front (they would
+    only repeat tokens), and so is a stream too short to find them.
     """
     if n_windows < 1:
         raise ValueError(f"held-out windows: n_windows={n_windows} must be at least 1")
@@ -344,6 +345,11 @@ def holdout_windows(spec: CalibSpec | str, tokenizer, n_windows: int, *, data_di
     last = len(stream) - spec.seqlen - 1
     rng = random.Random(spec.seed)
     calib = [rng.randint(0, last) for _ in range(spec.n_samples)]
+    capacity = holdout_capacity(calib, last + spec.seqlen, spec.seqlen)
+    if n_windows > capacity:
+        raise ValueError(f"holdout={n_windows} asks for more held-out windows than {spec} can give: {capacity} "
+                         f"disjoint windows of {spec.seqlen} tokens fit outside its calibration windows; allowed: "
+                         f"holdout <= {capacity}, or fewer calibration windows or a longer source")
     starts: list[int] = []
     for _ in range(1000 * n_windows):
         start = rng.randint(0, last)
@@ -353,3 +359,17 @@ def holdout_windows(spec: CalibSpec | str, tokenizer, n_windows: int, *, data_di
             return torch.stack([stream[i : i + spec.seqlen] for i in starts])
     raise ValueError(f"found only {len(starts)} of {n_windows} held-out windows disjoint from the {spec} calibration "
                      "windows; use fewer held-out or calibration windows or a longer source")
+
+
+def holdout_capacity(calib_starts: list[int], n_positions: int, seqlen: int) -> int:
+    """How many pairwise-disjoint ``seqlen``-token windows fit in the ``n_positions`` stream positions outside the
+    calibration windows [c, c + seqlen): Σ over the uncovered runs of ⌊run length / seqlen⌋. More held-out windows
+    than that would only repeat tokens, so ``holdout_windows`` refuses them (a difference array marks the cover)."""
+    cover = torch.zeros(n_positions + 1, dtype=torch.long)
+    for c in calib_starts:
+        cover[c] += 1
+        cover[min(c + seqlen, n_positions)] -= 1
+    free = torch.cat([cover.cumsum(0)[:n_positions] == 0, torch.tensor([False])])
+    edges = torch.diff(free.long(), prepend=torch.tensor([0])).nonzero().flatten()  # run starts, run ends alternate
+    runs = edges[1::2] - edges[0::2]
+    return int((runs // seqlen).sum())

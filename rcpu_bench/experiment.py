@@ -10,7 +10,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rcpu_bench import data
@@ -18,18 +17,23 @@ from rcpu_bench.compensation import diagnostics
 from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
 from rcpu_bench.evaluation.generation import text_sample
 from rcpu_bench.evaluation.speed import inference_speed
+from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import (
     DEFAULT_DEVICE,
     DEFAULT_DTYPE,
     LoadedModel,
+    check_device,
     load_config,
     load_model,
+    load_tokenizer,
+    model_skeleton,
+    model_source,
     parameter_count,
     resolve_device,
     resolve_dtype,
 )
 from rcpu_bench.model.persistence import save_pruned
-from rcpu_bench.paths import default_model
+from rcpu_bench.paths import check_new_dir, default_model
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.records import Record, environment, library_versions
 from rcpu_bench.registry import Registry, default_registry
@@ -52,24 +56,36 @@ class Experiment:
     data_dir: str | None = None
     save_dir: str | None = None
 
-    def validate(self, registry: Registry) -> None:
-        """Every check that needs no model: names, ranges, paths and data files, before any work starts."""
+    def validate(self, registry: Registry, *, here: bool = True) -> None:
+        """Every check before the model is loaded: names and ranges, the device, the model's files and unit counts
+        against the ratio, the calibration and held-out windows its tokenizer cuts from the source, the profiles'
+        data and the --save destination. Each failure is a one-line ValueError or OSError naming the bad value.
+        ``here=False`` (the experiment runs elsewhere, on a Ray worker) checks the device's name, not that it exists.
+        """
         self.prune.validate(registry)
         resolve_dtype(self.dtype)
-        resolve_device(self.device)
-        config, _ = load_config(self.model, self.revision, prune=() if self.prune.model_method else self.prune.prune)
-        spec = data.parse_calib(self.calib)
-        if spec.seqlen > config.max_position_embeddings:
-            raise ValueError(f"calibration seqlen {spec.seqlen} exceeds the model's max_position_embeddings "
-                             f"{config.max_position_embeddings}")
-        data.load_source(spec.source, self.data_dir)
+        (check_device if here else resolve_device)(self.device)
+        if self.eval_batch_size < 1:
+            raise ValueError(f"eval_batch_size={self.eval_batch_size} is not allowed; allowed: an integer >= 1")
+        config, commit = load_config(self.model, self.revision,
+                                     prune=() if self.prune.model_method else self.prune.prune)
+        self.prune.check_units(layer_geometries(model_skeleton(config)))
+        self._check_calibration(load_tokenizer(model_source(self.model), commit or self.revision),
+                                config.max_position_embeddings)
         for profile in self.ppl_profiles:
             perplexity.profile_source(profile, self.data_dir)
-        if self.save_dir and Path(self.save_dir).exists() and any(Path(self.save_dir).iterdir()):
-            raise FileExistsError(f"--save directory {self.save_dir} exists and is not empty")
+        if self.save_dir:
+            check_new_dir(self.save_dir, "--save directory")
         method = self.prune.model_method
         if self.save_dir and method and registry.get("model-method", method).save is None:
             raise ValueError(f"the model method {self.prune.model_method!r} registered no save function; drop --save")
+
+    def _check_calibration(self, tokenizer: Any, max_positions: int) -> None:
+        """Cut the calibration (and held-out) windows now, as the run will (they are cached): a source too short
+        for the seqlen or the held-out count fails here, not after the model is loaded."""
+        data.calibration_data(self.calib, tokenizer, data_dir=self.data_dir, max_positions=max_positions)
+        if self.prune.holdout:
+            data.holdout_windows(self.calib, tokenizer, self.prune.holdout, data_dir=self.data_dir)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,14 +94,16 @@ class Experiment:
 def run_experiment(experiment: Experiment, *, registry: Registry | None = None, progress: bool = True,
                    load: Callable[..., LoadedModel] = load_model,
                    evaluate: Callable[[Any, Any], dict[str, Any]] | None = None,
-                   reuse_capture: Callable[[Callable[[], Any]], Any] | None = None) -> Record:
+                   reuse_capture: Callable[[Callable[[], Any]], Any] | None = None,
+                   keep_record: Callable[[Record], None] | None = None) -> Record:
     """Run one experiment and return its result record.
 
     ``load`` (load_model's signature) supplies the dense model, which the run prunes in place, so it must
     return a model of its own: the matrix runner passes a cache that reads each model once and hands out copies.
     ``evaluate(model, tokenizer)`` evaluates the pruned model further; its fields join the record
     (:meth:`Record.add`: the matrix runner's zero-shot accuracy). ``reuse_capture`` goes to prune_model: the
-    matrix runner's cache of layer-0 inputs (rcpu_bench.matrix.reuse).
+    matrix runner's cache of layer-0 inputs (rcpu_bench.matrix.reuse). ``keep_record(record)`` is called with the
+    finished record before the model is saved (prune's ``--out``), so a failing save loses no record.
     """
     registry = registry or default_registry()
     experiment.validate(registry)
@@ -132,6 +150,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     )
     if evaluate:
         record.add(evaluate(model, tokenizer))
+    if keep_record:
+        keep_record(record)
     if experiment.save_dir and experiment.prune.model_method:
         registry.get("model-method", experiment.prune.model_method).save(
             model, experiment.save_dir, tokenizer=tokenizer, report=report.method_report)

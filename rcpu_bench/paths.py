@@ -35,3 +35,41 @@ def data_dir() -> Path:
 def default_model() -> str:
     """The embedded default model: the shared stories260K-mha fixture."""
     return str(shared_dir() / "models" / DEFAULT_MODEL)
+
+
+def _creatable(path: Path, what: str) -> None:
+    """Raise unless ``path``'s nearest existing ancestor is a writable directory (the missing parents get created)."""
+    ancestor = next(parent for parent in path.absolute().parents if parent.exists())
+    if not ancestor.is_dir():
+        raise ValueError(f"{what} {path}: {ancestor} is not a directory; allowed: a path under a writable directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: {ancestor} is not writable; allowed: a path under a writable directory")
+
+
+def check_new_dir(path: str | os.PathLike, what: str) -> None:
+    """Raise a one-line error unless ``path`` can be written as a new directory: absent, or an empty directory."""
+    path = Path(path)
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
+        kind = "a non-empty directory" if path.is_dir() else "a file"
+        raise ValueError(f"{what} {path} is {kind}; allowed: a new path or an empty directory")
+    _creatable(path, what)
+
+
+def check_output_file(path: str | os.PathLike, what: str) -> None:
+    """Raise a one-line error unless ``path`` can be written or appended to as a file."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{what} {path} is a directory; allowed: a file (new or to append to)")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{what} {path} is not writable; allowed: a writable file")
+    _creatable(path, what)
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> None:
+    """Raise a one-line error unless ``path`` is a writable directory or can be created as one."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} is a file; allowed: a directory (new, or an existing one)")
+    if path.exists() and not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path} is not writable; allowed: a writable directory")
+    _creatable(path, what)

@@ -169,7 +169,12 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     """All complete JSON objects of a JSONL file (a torn last line from a killed writer is skipped)."""
     records = []
     with open(path, encoding="utf-8") as handle:
-        for line in handle:
+        for number, line in enumerate(handle, start=1):
             if line.endswith("\n"):
-                records.append(json.loads(line))
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}, line {number}: not a JSON record ({error.msg} at character "
+                                     f"{error.pos}); allowed: one JSON object per line (remove or repair the line)"
+                                     ) from None
     return records

@@ -68,6 +68,12 @@ class Method:
         if unknown:
             allowed = ", ".join(self.params) or "none"
             raise ValueError(f"{self.kind} {self.name!r} has no parameter(s) {', '.join(unknown)}; allowed: {allowed}")
+        for key, value in params.items():
+            if _is_number(self.params[key]) and isinstance(value, str):
+                hint = (f" (YAML 1.1 reads 1e-2 without a decimal point as text: write {float(value):.1e})"
+                        if _parses_as_number(value) else "")
+                raise ValueError(f"{self.kind} {self.name!r} parameter {key}={value!r} is text, not a number{hint}; "
+                                 f"allowed: a number (default {self.params[key]!r})")
 
     def validate(self, params: Mapping[str, Any]) -> None:
         """Check parameter names, then values by a trial run on a tiny synthetic problem (before real work).
@@ -111,6 +117,18 @@ class Method:
         if problem:
             raise PluginContractError(f"{self.kind} {self.name!r} from {self.provider} {problem}")
         return result
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _parses_as_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _trial_problem(kind: Kind, *, with_gram: bool) -> tuple[Any, ...]:

@@ -71,7 +71,7 @@ def test_prune_writes_a_record_and_a_reloadable_model(capsys, tmp_path):
 def test_save_refuses_a_non_empty_directory(capsys, tmp_path):
     (tmp_path / "keep.txt").write_text("user data")
     assert main(["prune", *QUICK, "--save", str(tmp_path)]) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert "is a non-empty directory" in capsys.readouterr().err
     assert (tmp_path / "keep.txt").read_text() == "user data"
 
 

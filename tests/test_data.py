@@ -169,7 +169,8 @@ def test_seqlen_longer_than_the_stream_is_an_error(tok, tmp_path):
     corpus = tmp_path / "short.txt"
     corpus.write_text("Once upon a time.", encoding="utf-8")
     n_tokens = len(tok("Once upon a time.").input_ids)
-    with pytest.raises(ValueError, match=f"seqlen {n_tokens} needs .* at least {n_tokens + 1} .* has {n_tokens}"):
+    with pytest.raises(ValueError, match=f"seqlen {n_tokens} needs .* at least {n_tokens + 1} .* gives {n_tokens};"
+                       f" allowed: a seqlen of at most {n_tokens - 1}"):
         calibration_data(CalibSpec(f"file:{corpus}", 4, n_tokens), tok)
     assert calibration_data(CalibSpec(f"file:{corpus}", 4, n_tokens - 1), tok).tokens.shape == (4, n_tokens - 1)
 

@@ -128,7 +128,7 @@ def test_profile_registry_and_errors(model, tok, wiki_excerpt):
     assert set(PROFILES) == {"rcpu128", "std2048", "tinystories"}
     assert get_profile("tinystories[500:1000]").stories == (500, 1000)
     assert get_profile("rcpu128[0:10]").windows == (0, 10) and get_profile("rcpu128[0:10]").stories is None
-    with pytest.raises(KeyError, match="'wiki128'.*rcpu128, std2048, tinystories"):
+    with pytest.raises(ValueError, match="'wiki128'.*rcpu128, std2048, tinystories"):
         get_profile("wiki128")
     with pytest.raises(ValueError, match=r"'rcpu128\[5:5\]'.*STOP > START"):
         get_profile("rcpu128[5:5]")

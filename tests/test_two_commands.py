@@ -34,4 +34,4 @@ def test_ci_runs_the_readme_test_command():
 def test_make_run_is_the_smoke_matrix_and_make_test_the_suite():
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^run: setup\n\t\$\(BIN\)/rcpu-bench run --matrix smoke$", makefile, flags=re.M)
-    assert re.search(r"^test: setup\n\t\$\(BIN\)/python -m pytest tests plugins", makefile, flags=re.M)
+    assert re.search(r"^test: setup setup-gguf\n\t\$\(BIN\)/python -m pytest tests plugins", makefile, flags=re.M)

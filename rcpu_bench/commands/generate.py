@@ -8,7 +8,7 @@ import argparse
 from rcpu_bench import console
 from rcpu_bench.commands import command
 from rcpu_bench.commands.shared import check_models
-from rcpu_bench.evaluation.generation import SAMPLE_PROMPT, greedy_continuation
+from rcpu_bench.evaluation.generation import SAMPLE_PROMPT, check_length, greedy_continuation
 from rcpu_bench.model.loading import add_model_options
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import default_model
@@ -34,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
     check_models(names, args)
     models = [load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device)
               for name in names]
+    for loaded in models:  # every prompt fits every model's context, before the first is generated
+        for prompt in args.prompt or [SAMPLE_PROMPT]:
+            check_length(loaded.model, loaded.tokenizer, prompt, args.max_new_tokens)
     width = max(len(name) for name in names)
     for prompt in args.prompt or [SAMPLE_PROMPT]:
         print(f"prompt: {prompt}")

@@ -4,14 +4,16 @@ append its record and save the pruned model."""
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 from rcpu_bench.commands import command, export
 from rcpu_bench.commands.shared import add_eval_batch_size_option
 from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, run_experiment
 from rcpu_bench.model.loading import add_model_options
-from rcpu_bench.paths import default_model
+from rcpu_bench.paths import check_output_file, default_model
 from rcpu_bench.pruning import options
 from rcpu_bench.records import Record, append_record
+from rcpu_bench.registry import PluginContractError
 
 DEFAULT_PPL = "rcpu128"
 
@@ -56,10 +58,16 @@ def run(args: argparse.Namespace) -> int:
         if not args.save:
             raise ValueError("--export-gguf needs --save DIR (the GGUF file is written from the saved model)")
         export.check_export(experiment.model, args.export_gguf, args.gguf_outtype, check_model=False)
-    record = run_experiment(experiment, progress=not args.quiet)  # validated whole before any work
+    if args.out:
+        check_output_file(args.out, "--out file")
+    # Validated whole before any work; the record is appended before the save, so a failing save keeps it.
+    try:
+        record = run_experiment(experiment, progress=not args.quiet,
+                                keep_record=partial(append_record, args.out) if args.out else None)
+    except PluginContractError as error:  # a plugin that breaks its contract on a real layer: one line, as bad input
+        raise ValueError(str(error)) from error
     print(summary(record))
     if args.out:
-        append_record(args.out, record)
         print(f"record appended to {args.out}")
     if args.save:
         print(f"pruned model saved to {args.save}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rcpu_bench.evaluation import EVAL_BATCH_SIZE
-from rcpu_bench.model.loading import resolve_device, resolve_dtype
+from rcpu_bench.model.loading import check_device, resolve_dtype
 from rcpu_bench.model.persistence import check_model_argument
 
 
@@ -18,6 +18,6 @@ def check_models(names: list[str], args: argparse.Namespace) -> None:
     """Reject a bad ``--dtype`` or ``--device`` and any bad model argument (``check_model_argument``), before
     anything is loaded: what every command that loads models checks first."""
     resolve_dtype(args.dtype)
-    resolve_device(args.device)
+    check_device(args.device)
     for name in names:
         check_model_argument(name, args.revision)

@@ -19,6 +19,7 @@ from rcpu_bench.export.gguf import DTYPES, check_dtype, export_gguf
 from rcpu_bench.model.loading import LoadedModel, add_model_options, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import default_model
+from rcpu_bench.pruning.options import positive_int
 
 ENGINES = ("transformers", "llama.cpp")
 
@@ -32,13 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "to a temporary GGUF file, on the CPU, at batch 1")
     p.add_argument("--gguf-outtype", default="float16", choices=DTYPES, help="type of the GGUF matrices llama.cpp "
                    "runs")
-    p.add_argument("--threads", type=int, help="llama.cpp threads (default: torch's intra-op threads, the number "
-                   "transformers runs on)")
+    p.add_argument("--threads", type=positive_int, help="llama.cpp threads (default: torch's intra-op threads, the "
+                   "number transformers runs on)")
     add_eval_batch_size_option(p, "sequences per timed forward pass (the records' inference figures are measured at "
                                "1: --eval-batch-size 1 compares with them)")
-    p.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
-    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-    p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--prompt-tokens", type=positive_int, default=PROMPT_TOKENS)
+    p.add_argument("--new-tokens", type=positive_int, default=NEW_TOKENS)
+    p.add_argument("--repeats", type=positive_int, default=REPEATS)
     add_model_options(p)
     console.add_quiet_option(p)
 
@@ -56,8 +57,6 @@ def check_engines(args: argparse.Namespace) -> None:
                          "(pass --eval-batch-size 1)")
     if args.device != "cpu":
         raise ValueError(f"--device {args.device}: llama.cpp is timed on the CPU only")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be a positive integer, got {args.threads}")
 
 
 def llama_cpp_speed_of(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
@@ -76,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     """Check the models and engines, then one line per model and engine: parameters, prefill and decode tokens/s."""
     names = args.model or [default_model()]
     args.engine = list(dict.fromkeys(args.engine or ["transformers"]))
+    if args.eval_batch_size < 1:
+        raise ValueError(f"--eval-batch-size {args.eval_batch_size} is not allowed; allowed: an integer >= 1")
     check_models(names, args)
     check_engines(args)
     rows = []

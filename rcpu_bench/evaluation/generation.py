@@ -16,11 +16,21 @@ SAMPLE_PROMPT = "Once upon a time"
 SAMPLE_TOKENS = 24
 
 
+def check_length(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> None:
+    """Raise a clear error unless ``max_new_tokens`` is a positive integer and the prompt's tokens plus it fit in the
+    model's ``max_position_embeddings``."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    n_prompt, limit = len(tokenizer(prompt).input_ids), model.config.max_position_embeddings
+    if n_prompt + max_new_tokens > limit:
+        raise ValueError(f"the prompt's {n_prompt} tokens + max_new_tokens={max_new_tokens} exceed the model's "
+                         f"max_position_embeddings {limit}; allowed: max_new_tokens <= {limit - n_prompt}")
+
+
 def greedy_continuation(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int = 32) -> str:
     """The greedy continuation of ``prompt``: at each step the argmax token, up to ``max_new_tokens``
     new tokens or the end-of-sequence token; the decoded new tokens only (special tokens skipped)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    check_length(model, tokenizer, prompt, max_new_tokens)
     encoded = tokenizer(prompt, return_tensors="pt").to(model.device)
     eos = model.config.eos_token_id
     # max_length rather than max_new_tokens: the checkpoint's own max_length would clash with the latter.

@@ -59,8 +59,8 @@ def get_profile(name: str) -> Profile:
     match = _RANGED.fullmatch(name)
     base = PROFILES.get(match["name"] if match else name)
     if base is None:
-        raise KeyError(f"unknown perplexity profile {name!r}; allowed: {', '.join(PROFILES)}, "
-                       "PROFILE[START:STOP]")
+        raise ValueError(f"unknown perplexity profile {name!r}; allowed: {', '.join(PROFILES)}, "
+                         "PROFILE[START:STOP]")
     if match is None:
         return base
     start, stop = int(match["start"]), int(match["stop"])

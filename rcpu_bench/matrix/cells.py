@@ -94,7 +94,8 @@ class Cell:
 
     def describe(self) -> str:
         """Model, method, ratio, N and λ in one line."""
-        lam = f" λ={self.lam:g}" if self.lam is not None else ""
+        number = isinstance(self.lam, (int, float))  # a bad λ (text) is shown as given, in the error that names it
+        lam = "" if self.lam is None else f" λ={self.lam:g}" if number else f" λ={self.lam!r}"
         return f"{self.model_label} | {self.method_name()} | ρ={self.ratio:g} N={self.n_calib}{lam}"
 
 

@@ -42,7 +42,10 @@ from rcpu_bench.matrix.store import (
     StoredResult,
     read_results,
 )
-from rcpu_bench.model.loading import load_config
+from rcpu_bench.model.adapter import layer_geometries
+from rcpu_bench.model.loading import load_config, model_skeleton
+from rcpu_bench.model.views import LayerGeometry
+from rcpu_bench.paths import check_output_dir
 from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.pipeline import PruneConfig
 from rcpu_bench.registry import Registry, default_registry
@@ -53,21 +56,29 @@ from rcpu_bench.registry import Registry, default_registry
 DEFAULT_CELL_SECONDS = ((10e6, 6.0), (1.5e9, 300.0), (10e9, 900.0), (float("inf"), 1800.0))
 
 
-def preflight(cells: list[Cell], registry: Registry) -> None:
+def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> None:
     """Every check that needs no model weights, before the first cell runs.
 
     ``expand`` validated each cell's PruneConfig; here each distinct setting of the rest of the
-    experiment (model, calibration, profiles, dtype, device) is validated once with Experiment.validate,
-    and the zero-shot tasks' data once when a cell asks for them.
+    experiment (model, calibration and hold-out count, profiles, dtype, device) is validated once with
+    Experiment.validate, each cell's ratio against its model's unit counts, and the zero-shot tasks' data once
+    when a cell asks for them. ``here``: the cells run in this process, so their device must exist here (not so
+    for a Ray cluster's workers).
     """
     validated: set[str] = set()
+    geometries: dict[tuple[str, str | None], list[LayerGeometry]] = {}
     for cell in cells:
         try:
             experiment = cell.experiment()
-            setting = json.dumps(replace(experiment, prune=PruneConfig()).to_dict(), sort_keys=True, default=str)
+            held_out = PruneConfig(holdout=experiment.prune.holdout)  # checked against the source per setting
+            setting = json.dumps(replace(experiment, prune=held_out).to_dict(), sort_keys=True, default=str)
             if setting not in validated:
-                experiment.validate(registry)
+                experiment.validate(registry, here=here)
                 validated.add(setting)
+            model = (experiment.model, experiment.revision)
+            if model not in geometries:
+                geometries[model] = layer_geometries(model_skeleton(load_config(*model)[0]))
+            experiment.prune.check_units(geometries[model])
         except (ValueError, KeyError, OSError) as error:
             where = f"cell {cell.id} ({cell.describe()}, model {cell.model})"
             raise MatrixError(f"{where}: {error_message(error)}") from None
@@ -236,8 +247,9 @@ def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local",
     λ_best, after every cell of their group has its perplexity (two phases, rcpu_bench.matrix.phases).
     """
     registry = registry or default_registry()
+    check_output_dir(results_dir, "results directory")
     cells = expand(matrix, registry)
-    preflight(cells, registry)
+    preflight(cells, registry, here=executor == "local")
     cell_runner = make_executor(executor, ray_address=ray_address)
     plan = plan_phases(cells)
     store = Store(results_dir)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import transformers
 from packaging.version import Version
+from safetensors import safe_open
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -74,6 +75,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def available_devices() -> list[str]:
+    """The devices this torch build can use here: cpu, then each cuda:N / xpu:N, then mps."""
+    names = ["cpu"]
+    for kind in ("cuda", "xpu"):
+        backend = getattr(torch, kind, None)
+        if backend is not None and backend.is_available():
+            names += [f"{kind}:{index}" for index in range(backend.device_count())]
+    if torch.backends.mps.is_available():
+        names.append("mps")
+    return names
+
+
+def check_device(name: str) -> torch.device:
+    """``resolve_device``, and the device exists here (``cuda`` on a CPU-only torch is an error, not an assertion)."""
+    device = resolve_device(name)
+    usable = available_devices()
+    wanted = device.type if device.type in ("cpu", "mps") else f"{device.type}:{device.index or 0}"
+    if wanted not in usable:
+        raise ValueError(f"device {name!r} is not available with this torch {torch.__version__}; "
+                         f"available: {', '.join(usable)}")
+    return device
+
+
 def parameter_count(model: nn.Module) -> int:
     """Number of unique parameters: a tensor shared by several modules (tied embeddings) counts once."""
     return sum(p.numel() for p in model.parameters())  # parameters() yields each shared tensor once
@@ -93,9 +117,9 @@ def model_source(name_or_path: str) -> str:
     return name_or_path
 
 
-def _check_supported(config: PretrainedConfig, prune: tuple[str, ...] = ()) -> None:
-    """Build a weightless (meta) skeleton of ``config``'s causal LM and check its shape, and that its ``prune``
-    modules can be pruned exactly (``adapter.check_prunable``)."""
+def model_skeleton(config: PretrainedConfig) -> PreTrainedModel:
+    """A weightless (meta) skeleton of ``config``'s causal LM, its architecture checked: its layers' shapes (the unit
+    counts a ratio is checked against) at no memory cost."""
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     try:
         with torch.device("meta"):
@@ -104,18 +128,58 @@ def _check_supported(config: PretrainedConfig, prune: tuple[str, ...] = ()) -> N
         raise ValueError(f"unsupported architecture {architecture}: no causal-LM model for this config; "
                          f"supported: {supported()}") from None
     check_architecture(skeleton)
-    check_prunable(skeleton, prune)
+    return skeleton
+
+
+_WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def check_weight_files(directory: Path) -> None:
+    """Raise a one-line error naming the file unless a local model directory has weights whose safetensors headers
+    read (a missing, truncated or garbage file fails here, before anything is loaded)."""
+    files = sorted(f for pattern in _WEIGHTS for f in directory.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"model directory {directory} has no weights; expected model.safetensors "
+                                "(or sharded *.safetensors, or pytorch_model.bin)")
+    for path in (f for f in files if f.suffix == ".safetensors"):
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except Exception as error:  # noqa: BLE001 (safetensors raises its own SafetensorError for any bad header)
+            raise ValueError(f"weights file {path} is not a readable safetensors file ({error}); "
+                             "re-download or re-save the model") from None
+
+
+def load_tokenizer(source: str, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a model; a missing or unreadable one is a one-line error naming the directory."""
+    try:
+        return AutoTokenizer.from_pretrained(source, revision=revision)
+    except (OSError, ValueError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(": ")
+        raise ValueError(f"no usable tokenizer in {source}: {reason}; expected tokenizer.json or tokenizer.model "
+                         "beside tokenizer_config.json") from None
 
 
 def load_config(name_or_path: str, revision: str | None = None, *,
                 prune: tuple[str, ...] = ()) -> tuple[PretrainedConfig, str | None]:
-    """The model's config, checked on a weightless skeleton (its ``prune`` modules too), and the Hub commit it came
-    from (None if local)."""
+    """The model's config, checked on a weightless skeleton (its ``prune`` modules too, ``adapter.check_prunable``;
+    a local directory: its weight files too), and the Hub commit it came from (None if local)."""
     source = model_source(name_or_path)
     commit = extract_commit_hash(cached_file(source, "config.json", revision=revision), None)
     config = AutoConfig.from_pretrained(source, revision=commit or revision)
-    _check_supported(config, prune)
+    check_prunable(model_skeleton(config), prune)
+    if Path(source).is_dir():
+        check_weight_files(Path(source))
     return config, commit
+
+
+def check_finite_weights(model: nn.Module, source: str) -> None:
+    """Raise a one-line error naming the first parameter (its layer and module) that holds a NaN or infinity."""
+    for name, tensor in model.named_parameters():
+        bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
+        if bad:
+            raise ValueError(f"model {source}: parameter {name} has {bad} NaN or infinite value(s) of "
+                             f"{tensor.numel()}; only finite weights can be pruned or evaluated")
 
 
 def load_model(name_or_path: str, *, dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE,
@@ -125,13 +189,14 @@ def load_model(name_or_path: str, *, dtype: str = DEFAULT_DTYPE, device: str = D
     ``name_or_path`` is a local directory or a Hub repo id (``revision`` may pin a branch, tag or
     commit). The architecture is checked on a weightless skeleton before any weights are read.
     """
-    torch_dtype, torch_device, source = resolve_dtype(dtype), resolve_device(device), model_source(name_or_path)
+    torch_dtype, torch_device, source = resolve_dtype(dtype), check_device(device), model_source(name_or_path)
     config, commit = load_config(name_or_path, revision)
     pinned = commit or revision  # config, weights and tokenizer all from the same commit
     model = AutoModelForCausalLM.from_pretrained(source, config=config, revision=pinned,
                                                  **dtype_argument(torch_dtype))
+    check_finite_weights(model, name_or_path)
     model = model.to(torch_device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source, revision=pinned)
+    tokenizer = load_tokenizer(source, pinned)
     provenance = {"name_or_path": name_or_path, "revision": revision, "commit_hash": commit,
                   "dtype": dtype, "device": device, "config_class": type(config).__name__,
                   "model_class": type(model).__name__}

@@ -48,6 +48,7 @@ from rcpu_bench.model.loading import (
     dtype_argument,
     load_config,
     load_model,
+    load_tokenizer,
     model_source,
     parameter_count,
     resolve_device,
@@ -342,7 +343,8 @@ def check_model_argument(name: str, revision: str | None) -> None:
     """Reject a missing path, a pruned directory without tokenizer, or an unsupported model, before loading."""
     directory = pruned_directory(model_source(name))
     if directory is None:
-        load_config(name, revision)
+        _, commit = load_config(name, revision)
+        load_tokenizer(model_source(name), commit or revision)
         return
     read_manifest(directory)
     if not (directory / "tokenizer_config.json").is_file():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_type_hints
 
@@ -23,6 +23,7 @@ from rcpu_bench.selection.select import Rounding, n_pruned
 from rcpu_bench.statistics.activations import GramPrecision
 
 if TYPE_CHECKING:
+    from rcpu_bench.model.views import LayerGeometry
     from rcpu_bench.registry import Registry
 
 Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count", "windows", "multiple"]
@@ -159,6 +160,9 @@ class PruneConfig:
             registry.get("model-method", self.model_method).validate(self.model_method_params)
             if self.offload:
                 raise ValueError(f"offload=True is not supported with the whole-model method {self.model_method!r}")
+        if self.structure == "al-am" and self.gqa_rule == "query":
+            raise ValueError("gqa_rule='query' is not allowed with structure='al-am', which prunes whole key/value "
+                             "groups; allowed: gqa_rule='group'")
         if self.holdout and (self.model_method is not None or self.recollect_mlp):
             raise ValueError(f"holdout={self.holdout} needs the layer-wise pipeline without recollect_mlp; allowed: "
                              "holdout=0 with a whole-model method or recollect_mlp")
@@ -166,8 +170,36 @@ class PruneConfig:
             raise ValueError(f"round_to={self.round_to} needs the layer-wise pipeline with gqa_rule='group'; "
                              "allowed: round_to=0 with a whole-model method or gqa_rule='query'")
 
+    def check_units(self, geometries: Sequence[LayerGeometry]) -> None:
+        """Raise a clear error, before pruning, if the ratio would prune every unit of some layer's module.
+
+        The units one selection chooses from: key/value groups or MLP channels, or under ``gqa_rule='query'`` the
+        query heads of one group. ``n_pruned(n, ρ) < n`` always holds with floor rounding (ρ < 1); with ceil it
+        needs ρ ≤ (n − 1)/n. FLAP's global structure and whole-model methods choose their own counts.
+        """
+        if self.model_method is not None or self.structure != "uniform":
+            return
+        for index, geometry in enumerate(geometries):
+            for module in self.prune:
+                n, what = _selection_units(geometry, module, self.gqa_rule)
+                try:
+                    n_pruned(n, self.ratio, self.rounding)
+                except ValueError:
+                    bound = f"ratio <= {n - 1}/{n} = {(n - 1) / n:.4g}" if n > 1 else "ratio=0"
+                    raise ValueError(f"ratio={self.ratio} with rounding={self.rounding!r} would prune all {n} {what} "
+                                     f"of layer {index}'s {module}; allowed: {bound}, or rounding='floor'") from None
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _selection_units(geometry: LayerGeometry, module: str, gqa_rule: str) -> tuple[int, str]:
+    """How many units one selection of ``module`` chooses from, and what they are."""
+    if module == "mlp":
+        return geometry.intermediate, "MLP channels"
+    if gqa_rule == "query":
+        return geometry.queries_per_group, "query heads of a key/value group"
+    return geometry.n_kv_heads, "key/value groups" if geometry.queries_per_group > 1 else "heads"
 
 
 def _declared() -> tuple[Option, ...]:
@@ -232,6 +264,17 @@ def parse_modules(text: str) -> tuple[str, ...]:
     return names
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (batch sizes, token and repeat counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: an integer >= 1")
+    return value
+
+
 def _metavar(option: Option) -> str | None:
     metavars = {"name": "NAME", "params": "KEY=VALUE", "ratio": "RHO", "modules": "MODULES", "count": "N",
                 "windows": "N", "multiple": "N"}
@@ -248,7 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs.update(action="append", default=[], type=parse_param, metavar="KEY=VALUE")
         else:
             default = ",".join(option.default) if option.kind == "modules" else option.default  # parsed by argparse
-            kinds = {"ratio": float, "count": int, "windows": int, "multiple": int, "modules": parse_modules}
+            kinds = {"ratio": float, "count": positive_int, "windows": int, "multiple": int, "modules": parse_modules}
             kwargs.update(default=default, metavar=_metavar(option), type=kinds.get(option.kind, str))
             if option.kind == "choice":
                 kwargs.update(choices=option.choices, metavar=None)
