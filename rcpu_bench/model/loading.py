@@ -29,6 +29,7 @@ from transformers.utils.hub import cached_file, extract_commit_hash
 from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import check_architecture, check_prunable, supported
 
+DEFAULT_DTYPE, DEFAULT_DEVICE = "float32", "cpu"  # of every command, matrix and Experiment
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
                                   "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE = re.compile(r"^(cpu|mps|(cuda|xpu)(:\d+)?)$")
@@ -56,8 +57,9 @@ def dtype_argument(dtype: torch.dtype) -> dict[str, torch.dtype]:
 def add_model_options(parser: Any) -> None:
     """The ``--revision``, ``--dtype`` and ``--device`` options every command that loads a model takes."""
     parser.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
-    parser.add_argument("--dtype", default="float32", help=f"model dtype: {', '.join(DTYPES)} (the paper uses float32)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default=DEFAULT_DTYPE,
+                        help=f"model dtype: {', '.join(DTYPES)} (the paper uses float32)")
+    parser.add_argument("--device", default=DEFAULT_DEVICE, help="cpu, cuda, cuda:N")
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -172,7 +174,7 @@ def load_config(name_or_path: str, revision: str | None = None, *,
     return config, commit
 
 
-def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
+def load_model(name_or_path: str, *, dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE,
                revision: str | None = None) -> LoadedModel:
     """Load a supported causal LM and its tokenizer, in eval mode, with provenance.
 
