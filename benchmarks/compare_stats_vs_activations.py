@@ -8,8 +8,8 @@ windows, batches of 8 windows), on the CPU or a CUDA device:
   then for o_proj and down_proj ``rcpu_bench.pruning.pipeline.prune_module``: the registry's ``variance`` scorer
   (``activation='mean-abs'``, the official statistic), floor selection, the registry's compensator,
   surgery.
-* **official** (methods-spec §2.1, replayed independently): forward hooks store X and Y of both modules
-  in float32 (preallocated: a lower bound of the reference's concatenated copies, on the same device)
+* **official** (docs/methods.md §4, the official code replayed independently): forward hooks store X and Y of
+  both modules in float32 (preallocated: a lower bound of the reference's concatenated copies, on the same device)
   and a running Σ|x|; score γ_j = ‖W_j‖₂·mean|x_j|·Var(x_j) (float32, population variance), head
   scores summed, threshold sorted[⌊ρn⌋] with score ≥ threshold kept; procrustes: M = Y Zᵀ with
   Z = W_K X_K, ``torch.linalg.svd`` in float32, Q W_K; ridge: (Y X_Kᵀ + λW_K)·inv(X_K X_Kᵀ + λI).
@@ -126,7 +126,7 @@ def run_ours(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) -> dic
     results: dict[str, Any] = {}
     for module in MODULES:
         module_timer = Timer(timer.device)
-        report = prune_module(layer, module, stats[module], config, methods, module_timer)
+        report = prune_module(layer_view(layer), module, stats[module], config, methods, module_timer)
         for part, seconds in module_timer.seconds.items():
             timer.seconds[f"{MODULES[module]} {part}"] = seconds
         mapping = layer_view(layer).units(module, config.gqa_rule)

@@ -23,6 +23,7 @@ and silently reused stale ones).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -110,6 +111,13 @@ class CalibData:
 
 
 def sha256_file(path: Path) -> str:
+    """The file's sha256, hashed once per process while its size and modification time stay the same."""
+    stat = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 

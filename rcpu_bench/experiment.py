@@ -19,6 +19,8 @@ from rcpu_bench.evaluation.generation import text_sample
 from rcpu_bench.evaluation.speed import inference_speed
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import (
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
     LoadedModel,
     check_device,
     load_config,
@@ -49,8 +51,8 @@ class Experiment:
     ppl_profiles: tuple[str, ...] = ("rcpu128",)
     revision: str | None = None
     trust_remote_code: bool = False
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = DEFAULT_DTYPE
+    device: str = DEFAULT_DEVICE
     eval_batch_size: int = EVAL_BATCH_SIZE
     data_dir: str | None = None
     save_dir: str | None = None
@@ -121,7 +123,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
                    if holdout else None)
     params_before = parameter_count(model)
     report = prune_model(model, calib.tokens, experiment.prune, registry=registry, device=experiment.device,
-                         progress=progress, holdout_ids=holdout_ids, reuse_capture=reuse_capture)
+                         progress=progress, holdout_ids=holdout_ids, reuse_capture=reuse_capture,
+                         validated=True)
     params_after = parameter_count(model)
     model.to(experiment.device)
     calib_nll, calib_targets = perplexity.sequence_nll(model, list(calib.tokens), batch_size=experiment.eval_batch_size,

@@ -11,6 +11,7 @@ a run's names up once, before any layer is touched.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -59,6 +60,8 @@ class Method:
     params: dict[str, Any] = field(default_factory=dict)
     save: Callable[..., Any] | None = None  # model methods: save(model, directory, *, tokenizer, report)
     load: Callable[..., Any] | None = None  # model methods: load(directory, *, dtype, device) -> LoadedModel
+    # Parameter sets whose trial run passed (repr of the sorted items): a matrix validates each set once, not per cell.
+    _accepted: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def check_params(self, params: Mapping[str, Any]) -> None:
         unknown = sorted(set(params) - set(self.params))
@@ -77,10 +80,12 @@ class Method:
 
         The trial builds only the statistics the method declares in ``needs``. If a method declaring
         "moments" fails there but succeeds once G is supplied, it reads G without saying so: that is a
-        ``PluginContractError`` naming the plugin and the declared need.
+        ``PluginContractError`` naming the plugin and the declared need. A parameter set that passed is not
+        tried again.
         """
         self.check_params(params)
-        if self.kind == "model-method":  # no cheap trial problem: a whole model is needed
+        key = repr(sorted(params.items()))
+        if self.kind == "model-method" or key in self._accepted:  # model methods: no cheap trial problem exists
             return
         try:
             self(*_trial_problem(self.kind, with_gram=self.needs == "gram"), **params)
@@ -95,6 +100,7 @@ class Method:
             if isinstance(error, (ValueError, KeyError, TypeError)):
                 raise ValueError(f"{self.kind} {self.name!r} rejects parameters {dict(params)}: {error}") from error
             raise
+        self._accepted.add(key)
 
     def _succeeds_with_gram(self, params: Mapping[str, Any]) -> bool:
         try:
@@ -398,7 +404,17 @@ def _call_hook(hook: Callable[..., None], hook_name: str, kind: Kind, provider: 
         raise _HookFailed(f"{hook_name} raised {type(error).__name__}: {error}") from error
 
 
-@lru_cache(maxsize=1)
+# Set to 1: the default registry holds the built-ins only, no installed plugin (as pytest's
+# PYTEST_DISABLE_PLUGIN_AUTOLOAD; the tests set it, so that they do not depend on what happens to be installed).
+DISABLE_AUTOLOAD = "RCPU_BENCH_DISABLE_PLUGIN_AUTOLOAD"
+
+
 def default_registry() -> Registry:
-    """The registry of the built-ins and all installed plugins (built once per process)."""
-    return build_registry(plugin_manager())
+    """The registry of the built-ins and all installed plugins (built once per process), or of the built-ins only
+    when the environment sets ``RCPU_BENCH_DISABLE_PLUGIN_AUTOLOAD=1``."""
+    return _registry(entry_points=os.environ.get(DISABLE_AUTOLOAD) != "1")
+
+
+@lru_cache(maxsize=2)
+def _registry(entry_points: bool) -> Registry:
+    return build_registry(plugin_manager(entry_points=entry_points))

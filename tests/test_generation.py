@@ -28,13 +28,15 @@ def argmax_loop(model, tokenizer, prompt: str, new_tokens: int) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)[len(prompt_text):]
 
 
-@pytest.fixture(scope="module")
-def models():
-    return {name: load_model(str(path)) for name, path in (("gqa", STORIES), ("mha", STORIES_MHA))}
+@pytest.fixture
+def models(stories_260k):
+    return stories_260k
 
 
 @needs_stories
-@pytest.mark.parametrize("prompt, new_tokens", [(SAMPLE_PROMPT, 24), ("Tom and his dog", 40), ("The", 3)])
+@pytest.mark.parametrize("prompt, new_tokens", [pytest.param(SAMPLE_PROMPT, 24, marks=pytest.mark.slow),
+                                                pytest.param("Tom and his dog", 40, marks=pytest.mark.slow),
+                                                ("The", 3)])
 def test_greedy_continuation_equals_an_argmax_loop(models, prompt, new_tokens):
     texts = {name: greedy_continuation(m.model, m.tokenizer, prompt, new_tokens) for name, m in models.items()}
     expected = argmax_loop(models["gqa"].model, models["gqa"].tokenizer, prompt, new_tokens)

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from registries import builtin_registry
 from tiny_matrices import tiny_raw, write_matrix
 from tiny_models import STORIES, needs_stories
 
@@ -26,9 +27,8 @@ from rcpu_bench.matrix.spec import (
 )
 from rcpu_bench.pruning import methods, options
 from rcpu_bench.pruning.options import MODULES
-from rcpu_bench.registry import default_registry
 
-REGISTRY = default_registry()
+REGISTRY = builtin_registry()
 RIDGE_LAMS = [0.01, 1.0, 100.0]
 
 

@@ -51,6 +51,7 @@ def story_nll(model, ids: list[int]) -> float:
     return F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
 
 
+@pytest.mark.slow  # 20-30 s on 2 loaded cores: a whole evaluation set against a per-sequence loop
 def test_rcpu128_matches_a_window_by_window_loop(model, tok, wiki_excerpt):
     path = wiki_excerpt / "wikitext-2-raw-v1" / "wiki.test.raw"
     rows = [line if line.strip() else "" for line in path.read_text(encoding="utf-8").splitlines(keepends=True)]
@@ -69,6 +70,7 @@ def test_rcpu128_matches_a_window_by_window_loop(model, tok, wiki_excerpt):
         "batch_size": 5}
 
 
+@pytest.mark.slow  # 20-30 s on 2 loaded cores: a whole evaluation set against a per-sequence loop
 def test_a_window_range_scores_exactly_those_windows(model, tok, wiki_excerpt):
     stream = data.token_stream(data.wikitext2_text(wiki_excerpt, "test"), tok)
     losses = window_nlls(model, stream[: (stream.numel() // 128) * 128].view(-1, 128))
@@ -86,6 +88,7 @@ def test_std2048_is_capped_at_max_position_embeddings(model, tok, wiki_excerpt):
     assert result["ppl"] == pytest.approx(math.exp(sum(losses) / 4), rel=1e-5)
 
 
+@pytest.mark.slow  # 20-30 s on 2 loaded cores: a whole evaluation set against a per-sequence loop
 def test_tinystories_matches_a_story_by_story_loop_and_ignores_batch_size(model, tok):
     stories = [json.loads(line)["text"] for line in TINYSTORIES.read_text(encoding="utf-8").splitlines()][500:530]
     ids = [tok(story).input_ids[:512] for story in stories]

@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from registries import builtin_registry
 from tiny_matrices import tiny_matrix
 from tiny_models import needs_stories
 
@@ -18,9 +19,8 @@ from rcpu_bench.matrix.phases import lambda_group, plan_phases
 from rcpu_bench.matrix.runner import run_matrix
 from rcpu_bench.matrix.spec import expand, load_matrix
 from rcpu_bench.matrix.store import Store
-from rcpu_bench.registry import default_registry
 
-REGISTRY = default_registry()
+REGISTRY = builtin_registry()
 LAMBDAS = [1.0e-3, 1.0, 1.0e3]
 RIDGE = {"name": "my-ridge", "scorer": "wanda-sp", "compensator": "ridge"}  # a λ-grid method (λ left free)
 
@@ -119,6 +119,7 @@ def test_a_lambda_group_is_every_cell_that_differs_only_in_lambda():
 # --- running --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_stories
 def test_phase_two_runs_zero_shot_only_at_the_argmin_of_the_calibration_perplexity(tmp_path, zeroshot, prunings):
     matrix = grid_matrix("rcpu-rot")
@@ -152,6 +153,7 @@ def test_phase_two_runs_zero_shot_only_at_the_argmin_of_the_calibration_perplexi
     assert len(Store(tmp_path).entries()) == 5
 
 
+@pytest.mark.slow
 @needs_stories
 def test_a_crash_between_the_phases_loses_nothing_and_the_rerun_continues_with_phase_two(tmp_path, zeroshot,
                                                                                            prunings):
@@ -172,6 +174,7 @@ def test_a_crash_between_the_phases_loses_nothing_and_the_rerun_continues_with_p
     assert entries[:3] == phase1 and entries[3]["phase"] == "lambda_best"
 
 
+@pytest.mark.slow
 @needs_stories
 def test_a_failed_zero_shot_at_lambda_best_is_recorded_and_retried_without_redoing_phase_one(tmp_path, zeroshot,
                                                                                              prunings):
@@ -189,6 +192,7 @@ def test_a_failed_zero_shot_at_lambda_best_is_recorded_and_retried_without_redoi
     assert latest["status"] == "ok" and "zeroshot" in latest["record"]
 
 
+@pytest.mark.slow
 @needs_stories
 def test_a_phase_one_failure_makes_its_group_wait(tmp_path, zeroshot, prunings, monkeypatch):
     matrix = grid_matrix()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
-from tiny_models import STORIES, STORIES_MHA, logits, needs_stories, tiny_config, tiny_model, tokens
-from transformers import LlamaForCausalLM
+from registries import builtin_registry
+from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import parameter_count
@@ -15,20 +16,27 @@ from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import default_registry
 
 # The built-in methods (installed plugins have tests of their own).
-SCORERS = [m.name for m in default_registry().methods("scorer") if m.provider.startswith("builtin")]
-COMPENSATORS = [m.name for m in default_registry().methods("compensator") if m.provider.startswith("builtin")]
+SCORERS = [m.name for m in builtin_registry().methods("scorer")]
+COMPENSATORS = [m.name for m in builtin_registry().methods("compensator")]
+KINDS = ("mha", "gqa")
+
+
+def method_grid() -> list:
+    """Every (kind, scorer, compensator): a plain pytest runs a covering subset (each scorer, compensator and kind at
+    least once), the rest is marked slow."""
+    n = max(len(SCORERS), len(COMPENSATORS))
+    covering = {(KINDS[i % 2], SCORERS[i % len(SCORERS)], COMPENSATORS[i % len(COMPENSATORS)]) for i in range(n)}
+    return [pytest.param(*combo, marks=() if combo in covering else pytest.mark.slow)
+            for combo in itertools.product(KINDS, SCORERS, COMPENSATORS)]
 
 
 def calib(vocab: int, n: int = 8, length: int = 32) -> torch.Tensor:
     return tokens(vocab, batch=n, length=length, seed=1)
 
 
-@pytest.fixture(scope="module")
-def stories():
-    if not STORIES.is_dir():
-        pytest.skip("fixture models not found")
-    load = lambda path: LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
-    return {"gqa": load(STORIES), "mha": load(STORIES_MHA)}
+@pytest.fixture
+def stories(stories_260k):
+    return {kind: loaded.model for kind, loaded in stories_260k.items()}
 
 
 def module_inputs(model, ids: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
@@ -115,9 +123,7 @@ def expected_parameters(config, report) -> int:
 
 
 @needs_stories
-@pytest.mark.parametrize("kind", ["mha", "gqa"])
-@pytest.mark.parametrize("scorer", SCORERS)
-@pytest.mark.parametrize("compensator", COMPENSATORS)
+@pytest.mark.parametrize("kind, scorer, compensator", method_grid())
 def test_every_scorer_and_compensator_prunes_a_working_model(stories, kind, scorer, compensator):
     dense = stories[kind]
     ids = calib(dense.config.vocab_size, n=4)

@@ -90,6 +90,7 @@ def test_dense_data_is_the_original_models_perplexity():
 KINDS = ("ppl_vs_ratio", "ppl_vs_lambda", "ppl_vs_ncalib")
 
 
+@pytest.mark.slow  # ~20 s on 2 loaded cores: 300-dpi figures written twice
 def test_write_plots_png_pdf_and_svg_per_kind(tmp_path):
     paths = write_plots(plotted(), tmp_path / "a")
     assert [p.name for p in paths] == [f"{kind}_Llama-7B.{fmt}" for kind in KINDS for fmt in ("png", "pdf", "svg")]

@@ -37,6 +37,7 @@ def test_bad_shape_or_scale_is_rejected(bad):
         make_random_llama.llama_config(**bad)
 
 
+@pytest.mark.slow
 @needs_stories
 @pytest.mark.skipif(not TINYSTORIES.is_file(), reason="TinyStories fixture not found")
 def test_tiny_scale_model_loads_prunes_and_evaluates(tmp_path):

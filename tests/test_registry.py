@@ -338,3 +338,22 @@ def test_resolve_names_what_exists_for_an_unknown_name():
         default_registry().resolve(scorer="variance", compensator="rotation")
     with pytest.raises(KeyError, match="unknown model-method 'slice'"):
         default_registry().resolve(scorer="variance", compensator="none", model_method="slice")
+
+
+def test_a_parameter_set_is_tried_once_and_a_rejected_one_every_time():
+    calls = []
+
+    def scaled(weight, stats, *, power=1.0):
+        calls.append(power)
+        if power < 0:
+            raise ValueError(f"power={power} must be >= 0")
+        return scorers.magnitude(weight, stats) ** power
+
+    method = make_method("scorer", "scaled", scaled, "test-plugin")
+    for _ in range(3):
+        method.validate({"power": 2.0})
+    assert calls == [2.0]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="power=-1"):
+            method.validate({"power": -1})
+    assert calls == [2.0] + [-1] * 4  # each rejection tries without G, then with G (is it an undeclared need?)

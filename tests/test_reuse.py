@@ -37,6 +37,7 @@ def _without_seconds(layers):
     return [{k: v for k, v in layer.items() if k != "seconds"} for layer in layers]
 
 
+@pytest.mark.slow
 def test_compensated_weights_are_bit_identical_with_reused_layer_inputs(monkeypatch):
     dense = tiny_model(tiny_config(layers=3))
     calib = tokens(dense.config.vocab_size, batch=6, length=16, seed=1)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from registries import builtin_registry
 from tiny_matrices import tiny_matrix, tiny_raw, write_matrix
 from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
@@ -30,9 +31,9 @@ from rcpu_bench.matrix.runner import (
 from rcpu_bench.matrix.spec import MatrixError, expand, load_matrix
 from rcpu_bench.matrix.store import Store, read_results
 from rcpu_bench.records import Record
-from rcpu_bench.registry import build_registry, default_registry, plugin_manager
+from rcpu_bench.registry import build_registry, plugin_manager
 
-REGISTRY = default_registry()
+REGISTRY = builtin_registry()
 TIMEOUT_S = 120
 
 
@@ -234,7 +235,7 @@ def test_a_dry_run_lists_the_cells_without_running_them(capsys, tmp_path):
     (["--matrix", "smoke", "--set", "colour=red"], "unknown key 'colour'"),
     (["--matrix", "smoke", "--model", "/no/such/model"], "/no/such/model"),
     (["--matrix", "smoke", "--set", "calib.seqlen=100000"], "seqlen 100000 exceeds"),
-    (["--matrix", "ablation"], "huggyllama/llama-7b"),
+    pytest.param(["--matrix", "ablation"], "huggyllama/llama-7b", marks=pytest.mark.slow),  # ~20 s: a hub id offline
 ])
 def test_bad_input_is_reported_before_any_cell_runs(capsys, tmp_path, args, message):
     assert cli(*args, "--results", str(tmp_path), "--quiet") == 2

@@ -20,7 +20,7 @@ def lowest_first_direct(scores: list[float], count: int) -> list[int]:
 
 @pytest.mark.parametrize("ratio,heads,channels", [(0.1, 3, 1100), (0.2, 6, 2201), (0.3, 9, 3302), (0.5, 16, 5504)])
 def test_llama_7b_floor_counts(ratio, heads, channels):
-    """methods-spec table: LLaMA-7B (H=32, I=11008), floor rounding as in the official code."""
+    """docs/methods.md §2: LLaMA-7B (H=32, I=11008), floor rounding as in the official code."""
     assert n_pruned(32, ratio, "floor") == heads
     assert n_pruned(11008, ratio, "floor") == channels
 

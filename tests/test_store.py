@@ -20,6 +20,7 @@ from rcpu_bench.matrix.store import (
     StoredResult,
     error_info,
     make_entry,
+    newest_entries,
     read_results,
 )
 from rcpu_bench.records import Record
@@ -146,3 +147,12 @@ def test_a_line_that_is_not_an_entry_is_skipped_with_a_warning_not_counted_faile
     assert [r.ratio for r in stored.results] == [0.1, 0.2] and stored.failed == 0
     assert "records.jsonl:2 is not a cell entry" in caplog.text
     assert len(Store(tmp_path).latest()) == 2 and len(phase1_entries(Store(tmp_path).entries())) == 2
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 9)), max_size=12))
+def test_newest_entries_is_each_cells_last_entry_in_order_of_last_writes(pairs):
+    entries = [{"cell_id": cell, "n": n} for cell, n in pairs]
+    last = {cell: max(i for i, (c, _) in enumerate(pairs) if c == cell) for cell, _ in pairs}
+    expected = [entries[i] for i in sorted(last.values())]
+    assert list(newest_entries(entries).values()) == expected
+    assert list(newest_entries(entries)) == [e["cell_id"] for e in expected]

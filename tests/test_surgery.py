@@ -7,8 +7,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import (
-    STORIES,
-    STORIES_MHA,
     apply_plan,
     logits,
     needs_stories,
@@ -21,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rcpu_bench.model.adapter import layer_geometries, layer_geometry
 from rcpu_bench.model.llama import mask_attention, mask_mlp, prune_attention, prune_mlp
-from rcpu_bench.model.loading import load_model, parameter_count
+from rcpu_bench.model.loading import parameter_count
 from rcpu_bench.model.surgery import check_head_groups
 from rcpu_bench.model.views import LayerGeometry
 
@@ -38,9 +36,9 @@ def head_rows(heads, head_dim):
     return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads.tolist()])
 
 
-@pytest.fixture(scope="module")
-def stories():
-    return {"gqa": load_model(str(STORIES)).model, "mha": load_model(str(STORIES_MHA)).model}
+@pytest.fixture
+def stories(stories_260k):
+    return {kind: loaded.model for kind, loaded in stories_260k.items()}
 
 
 # --- equivalences -------------------------------------------------------------------------------
@@ -137,6 +135,7 @@ def test_surgery_on_cuda_keeps_the_device():
     assert torch.equal(generate(pruned, ids, use_cache=True), generate(pruned, ids, use_cache=False))
 
 
+@pytest.mark.slow
 @needs_stories
 def test_generate_on_pruned_stories(stories):
     model = copy.deepcopy(stories["gqa"])

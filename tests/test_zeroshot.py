@@ -65,9 +65,9 @@ def requests(spec: dict, limit: int) -> list[tuple]:
     return [(instance.doc_id, instance.idx, instance.arguments) for instance in task.instances]
 
 
-@pytest.fixture(scope="module")
-def stories():
-    return load_model(str(STORIES))
+@pytest.fixture
+def stories(stories_260k):
+    return stories_260k["gqa"]
 
 
 def scores(result: dict) -> dict:

@@ -1,4 +1,4 @@
-"""Perplexity under named evaluation profiles (methods-spec §3.5); the profile is recorded with every result.
+"""Perplexity under named evaluation profiles (docs/methods.md §6); the profile is recorded with every result.
 
 A profile turns a dataset into independent token sequences. A sequence x_1..x_T is scored on its
 T − 1 shifted targets, with no context carried between sequences, and over all sequences

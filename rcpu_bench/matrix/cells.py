@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from rcpu_bench.evaluation import EVAL_BATCH_SIZE
 from rcpu_bench.experiment import Experiment
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.pruning import options
@@ -64,7 +65,7 @@ class Cell:
     eval: tuple[str, ...] = _role("request")
     dtype: str = _role("run")
     device: str = _role("execution")
-    eval_batch_size: int = _role("execution", default=8)
+    eval_batch_size: int = _role("execution", default=EVAL_BATCH_SIZE)
     zeroshot_limit: int | None = _role("run", unset=None, default=None)
 
     def to_dict(self) -> dict[str, Any]:

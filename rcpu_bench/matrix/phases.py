@@ -33,7 +33,7 @@ from typing import Any
 
 from rcpu_bench.matrix.lambda_rules import choose
 from rcpu_bench.matrix.spec import Cell
-from rcpu_bench.matrix.store import OK, StoredResult
+from rcpu_bench.matrix.store import OK, StoredResult, newest_entries
 
 ZEROSHOT = "zeroshot"
 PHASE_PPL = "ppl"  # a λ-grid cell's entry of phase 1: pruning and perplexity, zero-shot deferred
@@ -48,11 +48,6 @@ def lambda_group(cell: Cell) -> str:
                        "compensator_params": {k: v for k, v in config["prune"]["compensator_params"].items()
                                               if k != "lam"}}
     return json.dumps(config, sort_keys=True)
-
-
-def newest_entries(entries: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The newest entry of each cell id."""
-    return {entry["cell_id"]: entry for entry in entries}
 
 
 def phase1_entries(entries: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:

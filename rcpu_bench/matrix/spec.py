@@ -52,7 +52,7 @@ from typing import Any
 import yaml
 
 from rcpu_bench.compensation.compensators import LAMBDA_GRID
-from rcpu_bench.evaluation import perplexity
+from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
 from rcpu_bench.matrix.cells import SHARED, Cell
 from rcpu_bench.matrix.entries import (
     DENSE,
@@ -82,7 +82,7 @@ from rcpu_bench.matrix.schema import (
     read_keys,
     text,
 )
-from rcpu_bench.model.loading import resolve_device, resolve_dtype
+from rcpu_bench.model.loading import DEFAULT_DEVICE, DEFAULT_DTYPE, resolve_device, resolve_dtype
 from rcpu_bench.pruning.methods import CUSTOM, RECIPES, method_label, recipe_of
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.registry import Registry
@@ -135,9 +135,9 @@ TOP_KEYS = (
     Key("eval", listed(choice(EVALS)), "what to evaluate", ("ppl",)),
     Key("ppl_profiles", listed(checked(perplexity.get_profile)), "perplexity profiles", ("rcpu128",)),
     Key("include_dense", flag, "add one dense (original) cell per model", False),
-    Key("dtype", checked(resolve_dtype), "the model's dtype", "float32"),
-    Key("device", checked(resolve_device), "cpu, cuda or cuda:N (does not enter cell ids)", "cpu"),
-    Key("eval_batch_size", integer(1), "sequences per perplexity batch (does not change results)", 8),
+    Key("dtype", checked(resolve_dtype), "the model's dtype", DEFAULT_DTYPE),
+    Key("device", checked(resolve_device), "cpu, cuda or cuda:N (does not enter cell ids)", DEFAULT_DEVICE),
+    Key("eval_batch_size", integer(1), "sequences per perplexity batch (does not change results)", EVAL_BATCH_SIZE),
     Key("zeroshot_limit", optional(integer(1)), "examples per zero-shot task, for quick runs (null: all)", None),
     Key("prune", read_prune, "options for every method (a method's own options win)", {}),
     Key("ablation", lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
@@ -163,9 +163,9 @@ class Matrix:
     eval: tuple[str, ...] = ("ppl",)
     ppl_profiles: tuple[str, ...] = ("rcpu128",)
     include_dense: bool = False
-    dtype: str = "float32"
-    device: str = "cpu"
-    eval_batch_size: int = 8  # sequences per perplexity batch; does not change the result
+    dtype: str = DEFAULT_DTYPE
+    device: str = DEFAULT_DEVICE
+    eval_batch_size: int = EVAL_BATCH_SIZE  # sequences per perplexity batch; does not change the result
     zeroshot_limit: int | None = None  # examples per zero-shot task (None: all), for quick runs
     prune: dict[str, Any] = field(default_factory=dict)  # options for every method
     compensate: tuple[str, ...] = ()  # ablation variants (COMPENSATE_VARIANTS keys); () = no ablation

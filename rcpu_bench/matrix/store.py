@@ -33,9 +33,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from rcpu_bench.records import Record, append_record, read_records
+
+T = TypeVar("T")
 
 RECORDS = "records.jsonl"
 OK, FAILED = "ok", "failed"
@@ -92,7 +94,7 @@ class Store:
 
     def latest(self) -> dict[str, dict[str, Any]]:
         """The newest entry of each cell id, in the order the newest entries were written."""
-        return {cell_id: entry for cell_id, (_, entry) in _newest(enumerate(self.entries(), start=1)).items()}
+        return newest_entries(self.entries())
 
     def finished(self) -> set[str]:
         """Ids of the cells whose newest entry is ok: a resumed run skips them."""
@@ -199,7 +201,8 @@ def read_results(results_dir: str | Path, *, missing_ok: bool = False) -> Stored
         if missing_ok:
             return StoredResults((), 0)
         raise FileNotFoundError(f"no results store {path} (expected {RECORDS} in the --results directory)")
-    newest = _newest(_numbered_entries(read_records(path), path))  # a line that is not JSON: a ValueError naming it
+    numbered = _numbered_entries(read_records(path), path)  # a line that is not JSON: a ValueError naming it
+    newest = newest_entries(numbered, cell_id=lambda entry: entry[1]["cell_id"])
     ok = [(number, line) for number, line in newest.values() if line.get("status") == OK]
     for number, line in ok:
         _check_entry(line, f"{path}:{number}")
@@ -226,12 +229,15 @@ def _numbered_entries(lines: list[Any], path: Path) -> list[tuple[int, dict[str,
     return entries
 
 
-def _newest(entries: Iterable[tuple[int, dict[str, Any]]]) -> dict[Any, tuple[int, dict[str, Any]]]:
-    """cell id → (line number, its newest entry), in the order the newest entries were written."""
-    newest: dict[Any, tuple[int, dict[str, Any]]] = {}
-    for number, line in entries:
-        newest.pop(line.get("cell_id"), None)
-        newest[line.get("cell_id")] = number, line
+def newest_entries(entries: Iterable[T], cell_id: Callable[[T], Any] = lambda entry: entry.get("cell_id")
+                   ) -> dict[Any, T]:
+    """The newest entry of each cell id (a later entry of a cell replaces its earlier ones), in the order the
+    newest entries were written: the one rule by which a store's cells are read."""
+    newest: dict[Any, T] = {}
+    for entry in entries:
+        key = cell_id(entry)
+        newest.pop(key, None)
+        newest[key] = entry
     return newest
 
 

@@ -31,6 +31,7 @@ from transformers.utils.hub import cached_file, extract_commit_hash
 from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import check_architecture, check_prunable, supported
 
+DEFAULT_DTYPE, DEFAULT_DEVICE = "float32", "cpu"  # of every command, matrix and Experiment
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
                                   "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE = re.compile(r"^(cpu|mps|(cuda|xpu)(:\d+)?)$")
@@ -62,8 +63,9 @@ def add_model_options(parser: Any) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run Python code shipped with the model (transformers' trust_remote_code); without it "
                              "such a model is refused with an error, never prompted for")
-    parser.add_argument("--dtype", default="float32", help=f"model dtype: {', '.join(DTYPES)} (the paper uses float32)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default=DEFAULT_DTYPE,
+                        help=f"model dtype: {', '.join(DTYPES)} (the paper uses float32)")
+    parser.add_argument("--device", default=DEFAULT_DEVICE, help="cpu, cuda, cuda:N")
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -199,7 +201,7 @@ def load_config(name_or_path: str, revision: str | None = None, *,
     return config, commit
 
 
-def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
+def load_model(name_or_path: str, *, dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE,
                revision: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load a supported causal LM and its tokenizer, in eval mode, with provenance.
 

@@ -1,6 +1,6 @@
 """Structured pruning of one attention block or MLP, on its linears: physical removal, or same-shape masking.
 
-Both follow the coupling of methods-spec §3.1. Pruning query head h removes the query projection's
+Both follow the coupling of docs/methods.md §1. Pruning query head h removes the query projection's
 output rows [h·hd, (h+1)·hd) and the same columns of the output projection (the consumer); pruning
 key/value head g removes those rows of the key and value projections; pruning MLP channel c removes row c
 of the producers (gate, up) and column c of the consumer (down). The consumer gets the caller's

@@ -3,7 +3,7 @@
 A decoder layer has two prunable modules (:data:`MODULES`): ``"attention"``,
 whose pruned projection (the *consumer*) is the output projection, its input columns grouped into query
 heads of ``head_dim``; and ``"mlp"``, whose consumer is the down projection, one column per intermediate
-channel. The *producers* are the projections whose output rows go with those columns (methods-spec §3.1):
+channel. The *producers* are the projections whose output rows go with those columns (docs/methods.md §1):
 query, key and value rows for a head or key/value group, gate and up rows for a channel.
 
 A family (``rcpu_bench.model.llama``, the Llama-like base of ``rcpu_bench.model.families``) subclasses

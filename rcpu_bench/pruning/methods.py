@@ -56,7 +56,7 @@ RECIPES: dict[str, Recipe] = {r.key: r for r in (
     Recipe("ls-best", "Prop.Score+LS (lambda_best)", {"scorer": "variance", "compensator": "ridge"}),
     Recipe("rcpu-rot", "RCPU (Rot.)", {"scorer": "variance", "compensator": "procrustes"}),
     Recipe("rcpu-rot-scale", "RCPU (Rot.+Scale)", {"scorer": "variance", "compensator": "scaled-procrustes"}),
-    # The official code's numerics on purpose (methods-spec §2.1, §6 item 2): γ with mean|x|, M formed in float32,
+    # The official code's numerics on purpose (docs/methods.md §7): γ with mean|x|, M formed in float32,
     # torch.linalg.svd's default driver; its orthogonality error is recorded instead of checked.
     Recipe("rcpu-official", "RCPU (Rot., official numerics)",
            {"scorer": "variance", "scorer_params": {"activation": "mean-abs"}, "compensator": "procrustes",

@@ -72,11 +72,10 @@ def select_units(mapping: UnitMap, scores: Tensor, config: PruneConfig) -> Selec
     return selection
 
 
-def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: PruneConfig, methods: Resolved,
+def prune_module(view: LayerView, module: str, stats: ActivationStats, config: PruneConfig, methods: Resolved,
                  timer: Timer, units: Selection | None = None,
                  held_out: ActivationStats | None = None) -> dict[str, Any]:
-    """Score, select, compensate and shrink one module of one layer; returns its diagnostics."""
-    view = layer_view(layer)
+    """Score, select, compensate and shrink one module of one layer (``layer_view(layer)``); returns its diagnostics."""
     proj = view.projection(module)
     mapping = view.units(module, config.gqa_rule)
     if units is None:
@@ -137,13 +136,12 @@ def _on_device(layer: nn.Module, device: torch.device, offload: bool):
             layer.to("cpu")
 
 
-def _collect(layer: nn.Module, modules: list[str], inputs: list[LayerInput], gram_modules: list[str],
+def _collect(view: LayerView, modules: list[str], inputs: list[LayerInput], gram_modules: list[str],
              gram_precision: GramPrecision = "mixed") -> tuple[dict[str, ActivationStats], list[Tensor]]:
     """One pass of the layer over the calibration inputs, streaming the chosen modules' statistics."""
-    view = layer_view(layer)
     projections = {m: view.projection(m) for m in modules}
     with collect_input_stats(projections, with_gram=gram_modules, gram_precision=gram_precision) as stats:
-        outputs = run_layer(layer, inputs)
+        outputs = run_layer(view.layer, inputs)
     return stats, outputs
 
 
@@ -153,10 +151,10 @@ class HeldOut:
     def __init__(self, inputs: list[LayerInput], modules: list[str], gram_precision: GramPrecision):
         self.inputs, self.modules, self.gram_precision = inputs, modules, gram_precision
 
-    def dense_stats(self, layer: nn.Module, timer: Timer) -> dict[str, ActivationStats]:
+    def dense_stats(self, view: LayerView, timer: Timer) -> dict[str, ActivationStats]:
         """G (and moments) of each module's held-out inputs from one pass of the dense layer."""
         with timer("holdout"):
-            stats, self.dense_outputs = _collect(layer, self.modules, self.inputs, self.modules, self.gram_precision)
+            stats, self.dense_outputs = _collect(view, self.modules, self.inputs, self.modules, self.gram_precision)
         return stats
 
     def advance(self, layer: nn.Module, statistics: str, timer: Timer) -> None:
@@ -188,16 +186,19 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
                 device: torch.device | str | None = None, progress: bool = True,
                 holdout_ids: Tensor | None = None,
                 reuse_capture: Callable[[Callable[[], list[LayerInput]]], list[LayerInput]] | None = None,
-                ) -> PruneReport:
+                validated: bool = False) -> PruneReport:
     """Prune and compensate every decoder layer of ``model`` in place from calibration token windows.
 
     With ``config.holdout`` > 0, ``holdout_ids`` holds that many held-out windows (``data.holdout_windows``)
     and each module's report gets its ``generalisation`` diagnostics (``compensation/diagnostics.py``).
     ``reuse_capture(capture)``, when given, returns layer 0's inputs: ``capture()``, or an equal result
     remembered from an earlier call with the same model and calibration (rcpu_bench.matrix.reuse).
+    ``validated=True``: the caller has already run ``config.validate(registry)`` (``run_experiment`` does, through
+    ``Experiment.validate``), so it is not run again.
     """
     registry = registry or default_registry()
-    config.validate(registry)
+    if not validated:
+        config.validate(registry)
     methods = registry.resolve(scorer=config.scorer, compensator=config.compensator, model_method=config.model_method)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "cuda":
@@ -215,11 +216,12 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     reports = []
     for index, layer in enumerate(console.progress(layers, desc="pruning layers", unit="layer", enabled=progress)):
         timer = Timer(device)
+        view = layer_view(layer)
         with _on_device(layer, device, config.offload):
             check_parameters(layer, f"layer {index} before pruning")
             selection = selections[index] if selections else None
-            held_stats = held.dense_stats(layer, timer) if held else None
-            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selection, held_stats, index=index)
+            held_stats = held.dense_stats(view, timer) if held else None
+            report, outputs = _prune_layer(view, inputs, config, methods, timer, selection, held_stats, index=index)
             check_parameters(layer, f"layer {index} after pruning and compensation")
             if config.statistics == "sequential":
                 with timer("forward"):
@@ -272,22 +274,22 @@ def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig,
     return HeldOut(_capture(model, holdout_ids, config, device), modules, config.gram_precision)
 
 
-def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig, methods: Resolved, timer: Timer,
+def _prune_layer(view: LayerView, inputs: list[LayerInput], config: PruneConfig, methods: Resolved, timer: Timer,
                  selections: dict[str, Selection] | None, held_out: dict[str, ActivationStats] | None = None, *,
                  index: int) -> tuple[dict[str, Any], list[Tensor]]:
     """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
     modules = [m for m in MODULES if m in config.prune]
     gram = _gram_modules(modules, config, methods)
     with timer("statistics"):
-        stats, dense_outputs = _collect(layer, modules, inputs, gram, config.gram_precision)
+        stats, dense_outputs = _collect(view, modules, inputs, gram, config.gram_precision)
     report: dict[str, Any] = {}
     for module in modules:
         if module == "mlp" and config.recollect_mlp and "attention" in modules:
             with timer("statistics"):
-                stats["mlp"] = _collect(layer, ["mlp"], inputs, gram, config.gram_precision)[0]["mlp"]
+                stats["mlp"] = _collect(view, ["mlp"], inputs, gram, config.gram_precision)[0]["mlp"]
         _check_statistics(stats[module], index, module)
         units = selections[module] if selections else None
-        report[module] = prune_module(layer, module, stats[module], config, methods, timer, units,
+        report[module] = prune_module(view, module, stats[module], config, methods, timer, units,
                                       held_out[module] if held_out else None)
     return report, dense_outputs
 
@@ -307,9 +309,8 @@ class Unit(NamedTuple):
     index: int
 
 
-def _layer_units(layer: nn.Module, index: int, module: str, scores: Tensor, gqa_rule: str) -> list[Unit]:
+def _layer_units(view: LayerView, index: int, module: str, scores: Tensor, gqa_rule: str) -> list[Unit]:
     """AL-AM unit scores of one module: mean of standardized column scores (o_proj scores squared first)."""
-    view = layer_view(layer)
     mapping = view.units(module, gqa_rule)
     if mapping.group_size > 1:
         raise ValueError("structure='al-am' prunes whole key/value groups; use gqa_rule='group'")
@@ -333,26 +334,26 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
     inputs = _capture(model, calib_ids, config, device)
     units: list[Unit] = []
     for index, layer in enumerate(decoder_layers(model)):
+        view = layer_view(layer)
         with _on_device(layer, device, config.offload):
             check_parameters(layer, f"layer {index} before pruning")
-            stats, outputs = _collect(layer, modules, inputs, gram_modules=[])
+            stats, outputs = _collect(view, modules, inputs, gram_modules=[])
             for module in modules:
                 _check_statistics(stats[module], index, module)
-                scores = methods.scorer(layer_view(layer).projection(module).weight, stats[module],
-                                        **config.scorer_params)
-                units += _layer_units(layer, index, module, scores, config.gqa_rule)
+                scores = methods.scorer(view.projection(module).weight, stats[module], **config.scorer_params)
+                units += _layer_units(view, index, module, scores, config.gqa_rule)
         inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
     kept = _global_keep(units, config.ratio)
     layers = decoder_layers(model)
     selections = []
     for i, layer in enumerate(layers):
         selections.append({})
+        view = layer_view(layer)
         for module in modules:
             module_units = [u for u in units if u.layer == i and u.module == module]
             selection = _selection(module_units, kept)
             if config.round_to:
-                selection = _rounded(layer_view(layer).units(module).unit_size, module_units, selection,
-                                     config.round_to)
+                selection = _rounded(view.units(module).unit_size, module_units, selection, config.round_to)
             selections[i][module] = selection
     return selections
 

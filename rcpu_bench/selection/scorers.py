@@ -1,7 +1,7 @@
 """Column importance scores s_j for an input column j of a linear module (higher = keep).
 
 Every scorer takes the module weight W (d_out × d_in) and the streamed input statistics and returns a
-float64 vector of d_in scores. Definitions follow ../shared/docs/methods-spec.md §3.2.
+float64 vector of d_in scores. Definitions follow docs/methods.md §2.
 """
 
 from __future__ import annotations

@@ -14,17 +14,16 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from rcpu_bench.atomic_file import write_file_atomically
 from rcpu_bench.matrix.lambda_rules import choose
 from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.methods import percent
+from rcpu_bench.tables.figures import save_figure
 from rcpu_bench.tables.layout import method_row
 from rcpu_bench.tables.results import Metric
 from rcpu_bench.tables.table import Column, Row, Table
@@ -170,21 +169,18 @@ def draw_sizes(model: str, ratio: float, runs: Runs) -> Figure:
     return figure
 
 
-def _file_name(*parts: Any) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(str(p) for p in parts)) + ".png"
+def _file_stem(*parts: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(str(p) for p in parts))
 
 
 def write_plots(results: Sequence[StoredResult], out_dir: str | Path) -> list[Path]:
-    """The generalisation figures as PNG files in ``out_dir``: per (model, ratio) one vs N_calib, one per layer
-    for each N_calib. Returns their paths (none without held-out diagnostics)."""
+    """The generalisation figures in ``out_dir``, each as PNG, PDF and SVG (:func:`save_figure`): per (model, ratio)
+    one vs N_calib, one per layer for each N_calib. Returns their paths (none without held-out diagnostics)."""
     out_dir, paths = Path(out_dir), []
     for (model, ratio), runs in generalisation_runs(results).items():
-        figures = [(_file_name("holdout_error_vs_ncalib", model, f"{ratio:g}"), draw_sizes(model, ratio, runs))]
-        figures += [(_file_name("holdout_error_per_layer", model, f"{ratio:g}", f"N{n}"),
+        figures = [(_file_stem("holdout_error_vs_ncalib", model, f"{ratio:g}"), draw_sizes(model, ratio, runs))]
+        figures += [(_file_stem("holdout_error_per_layer", model, f"{ratio:g}", f"N{n}"),
                      draw_layers(model, ratio, n, runs)) for n in _sizes(runs)]
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name, figure in figures:
-            write_file_atomically(out_dir / name, partial(figure.savefig, format="png", bbox_inches="tight",
-                                                          metadata={"Software": None}))
-            paths.append(out_dir / name)
+        for stem, figure in figures:
+            paths += save_figure(figure, out_dir, stem)
     return paths

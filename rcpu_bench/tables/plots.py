@@ -14,21 +14,19 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from rcpu_bench.atomic_file import write_file_atomically
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, resolve
 from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.options import is_default_pipeline
 from rcpu_bench.tables import generalisation
+from rcpu_bench.tables.figures import DPI, save_figure
 from rcpu_bench.tables.layout import any_row, cell_grid, compensates_all
 from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, ppl_of
 from rcpu_bench.tables.table import ORIGINAL
@@ -37,10 +35,6 @@ COMPENSATOR_NAMES = {"none": "No comp.", "flap-bias": "Bias (FLAP)", "ridge": "L
                      "procrustes": "Rot.", "scaled-procrustes": "Rot.+Scale"}
 SCORER_NAMES = {"wanda-sp": "WANDA-sp score", "variance": "Proposed score"}  # the paper's panel titles
 PANEL_INCHES = (5.0, 3.6)
-DPI = 300
-FORMATS = ("png", "pdf", "svg")
-# No creation dates or tool versions in the files, and fixed SVG ids: the same data give the same bytes.
-_METADATA = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer": None}, "svg": {"Date": None}}
 
 BarPanels = dict[tuple[int, str], dict[str, dict[float, float]]]  # (N_calib, scorer) → method → ratio → ppl
 NcalibSeries = dict[tuple[str, float], dict[int, float]]  # (method label, ratio) → N_calib → ppl
@@ -254,12 +248,6 @@ def write_plots(results: Sequence[StoredResult], out_dir: str | Path, profile: s
     paths = []
     for kind, (data_of, draw) in PLOTS.items():
         for model, panels in data_of(results, profile, lambda_rule).items():
-            out_dir.mkdir(parents=True, exist_ok=True)
             figure = draw(model, panels, profile, dense.get(model), lambda_rule)
-            for fmt in FORMATS:
-                path = out_dir / f"{_file_stem(kind, model)}.{fmt}"
-                with matplotlib.rc_context({"svg.hashsalt": "rcpu-bench"}):
-                    write_file_atomically(path, partial(figure.savefig, format=fmt, dpi=DPI, bbox_inches="tight",
-                                                        metadata=_METADATA[fmt]))
-                paths.append(path)
+            paths += save_figure(figure, out_dir, _file_stem(kind, model))
     return paths + generalisation.write_plots(results, out_dir)

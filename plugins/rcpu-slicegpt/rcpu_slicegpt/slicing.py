@@ -1,6 +1,6 @@
 """SliceGPT (Ashkboos et al., ICLR 2024) for Llama-shaped models: fuse, rotate to principal components, slice.
 
-The algorithm (methods-spec §2.3), in the order it runs:
+The algorithm (docs/methods.md §8), in the order it runs:
 
 1. untie the LM head from the embeddings (the two are rotated differently);
 2. fold every RMSNorm weight γ into the linears that read the norm, W ← W·diag(γ), and replace the norm

@@ -38,7 +38,7 @@ def sliced_count(d: int) -> int:
     return V * d + L * per_layer + last_layer_extra + D * V
 
 
-# methods-spec §2.3: Llama-2-7B parameters removed at each hidden sparsity (negative: the model grows).
+# docs/methods.md §8: Llama-2-7B parameters removed at each hidden sparsity (negative: the model grows).
 SPEC_TABLE = [(0.10, 3680, -3.0), (0.20, 3272, 9.4), (0.25, 3072, 15.3), (0.30, 2864, 21.4)]
 
 
