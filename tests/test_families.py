@@ -258,10 +258,11 @@ def test_tables_mark_a_run_whose_scale_a_post_norm_voided():
 
 
 def test_olmo2_head_pruning_is_refused_from_the_config_alone(tmp_path):
-    """What ``Experiment.validate`` checks before any model is loaded (config.json only, no weights)."""
+    """What ``Experiment.validate`` checks before any model is loaded (the config; the weights are only checked
+    to be there)."""
     from rcpu_bench.model.loading import load_config
 
-    build("olmo2").config.save_pretrained(tmp_path)
+    build("olmo2").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="cannot prune attention of Olmo2ForCausalLM"):
         load_config(str(tmp_path), prune=("attention", "mlp"))
     assert load_config(str(tmp_path), prune=("mlp",))[0].model_type == "olmo2"

@@ -50,7 +50,7 @@ def test_holdout_windows_share_no_token_position_with_calibration_windows(tmp_pa
 def test_holdout_windows_refuse_a_stream_without_room(tmp_path):
     corpus = tmp_path / "short.txt"
     corpus.write_text(" ".join(f"w{i}" for i in range(100)), encoding="utf-8")
-    with pytest.raises(ValueError, match="holdout=4 asks for more held-out windows than .* can give: 0 disjoint windows"):
+    with pytest.raises(ValueError, match="than .* can give: 0 disjoint windows"):
         data.holdout_windows(data.CalibSpec(f"file:{corpus}", 8, 32), WordIds(), 4)
     with pytest.raises(ValueError, match="n_windows=0"):
         data.holdout_windows(data.CalibSpec(f"file:{corpus}", 8, 32), WordIds(), 0)
