@@ -330,7 +330,7 @@ def test_resolve_returns_the_entries_of_a_run():
     assert run.scorer is registry.scorer("toy-score") and run.compensator is registry.compensator("toy-shrink")
     assert run.compensator_for(True) is run.compensator
     assert run.compensator_for(False) is registry.compensator("none") and run.model_method is None
-    assert run.needs(True) == "gram" and run.needs(False) == "moments"  # toy-shrink needs G, "none" and toy-score do not
+    assert run.needs(True) == "gram" and run.needs(False) == "moments"  # toy-shrink needs G; "none", toy-score not
 
 
 def test_resolve_names_what_exists_for_an_unknown_name():

@@ -17,9 +17,10 @@ float64 flop counts ``FLOAT64_COST``: half the float32 rate on CPU, and on most 
     Y X_Kᵀ = W G[:,K] from G (float64)        2·d_out·d_in·k · FLOAT64_COST
 
 E.g. LLaMA-7B at N = 16,384, ratio 0.2: o_proj (4096 → 4096, k ≈ 3277) {G} 5.0e11 < {C} 5.5e11;
-down_proj (11,008 → 4096, k ≈ 8806) {C} 1.5e12 < {G} 3.6e12, and for ridge {G, C} 3.5e12 < {G}. G alone wins when N·d_in + 4·d_out·k <
-2·N·d_out, i.e. for wide outputs and many tokens. G_KK alone cannot be collected: K is chosen from the
-same pass's moments, so G is collected whole and the solvers read only its blocks.
+down_proj (11,008 → 4096, k ≈ 8806) {C} 1.5e12 < {G} 3.6e12, and for ridge {G, C} 3.5e12 < {G}. For
+"cross", G wins when N·d_in + 4·d_out·k < 2·N·d_out, i.e. for outputs as wide as the inputs and many
+tokens. G_KK alone cannot be collected: K is chosen from the same pass's moments, so G is collected
+whole and the solvers read only its blocks.
 
 The "float64" precision is the reference path: it collects G alone (every quantity follows from it).
 k is not known before the selection; the model uses k = d_in − ⌊ratio·d_in⌋.
