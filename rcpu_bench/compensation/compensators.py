@@ -100,15 +100,22 @@ class Problem:
     def error(self, new_weight: Tensor, bias: Tensor | None = None, quadratic: Tensor | None = None) -> float:
         """‖Y − W̃_K X_K − b 1ᵀ‖_F² over the calibration tokens, from the statistics alone.
 
-        = ‖Y‖² − 2 tr(Y X_Kᵀ W̃_Kᵀ) + tr(W̃_K G_KK W̃_Kᵀ) − 2 bᵀ(W s − W̃_K s_K) + N‖b‖²; ``quadratic``, when
-        the compensator knows it more cheaply, is tr(W̃_K G_KK W̃_Kᵀ). For W̃_K = W_K it is ``pruned_error``.
+        With Δ = W̃_K − W_K, Y − W̃_K X_K = W_D X_D − Δ X_K, so (without cancellation against ‖Y‖²)
+
+            = tr(W_D G_DD W_Dᵀ) − 2⟨Δ, W_D G_DK⟩ + tr(Δ G_KK Δᵀ) − 2 bᵀ(W s − W̃_K s_K) + N‖b‖².
+
+        ``quadratic``, when the compensator knows tr(W̃_K G_KK W̃_Kᵀ) more cheaply, is used in the form
+        ‖Y‖² − 2⟨W̃_K, Y X_Kᵀ⟩ + quadratic instead (d_out·k flops instead of 2·d_out·k²).
         """
         if new_weight is self.wk and bias is None:
             return float(self.pruned_error.clamp_min(0))
         w_new = new_weight.detach().to(device=self.stats.device, dtype=torch.float64)
-        if quadratic is None:
-            quadratic = ((w_new @ self.gkk) * w_new).sum()
-        err = self.y_norm2 - 2 * (self.yxk * w_new).sum() + quadratic
+        if quadratic is not None:
+            err = self.y_norm2 - 2 * (self.yxk * w_new).sum() + quadratic
+        else:
+            delta, w_d = w_new - self.wk, self.w[:, self.dropped]
+            g_dk = self.stats.require_gram()[self.dropped[:, None], self.kept]
+            err = self.pruned_error - 2 * ((w_d @ g_dk) * delta).sum() + ((delta @ self.gkk) * delta).sum()
         if bias is not None:
             b, s = bias.detach().to(device=self.stats.device, dtype=torch.float64), self.stats.sum
             err = err - 2 * b @ (self.w @ s - w_new @ s[self.kept]) + self.stats.n * b @ b
