@@ -28,7 +28,7 @@ their total without the layer forward, and the peak memory, official against our
 
 Usage: python benchmarks/compare_stats_vs_activations.py [--shape 7b] [--tokens 16384 65536] [--device cpu]
            [--compensator procrustes ridge] [--threads 2] [--scale 0.05] [--gram-precision mixed] [--gram-error]
-           [--out FILE]
+           [--dtype float64] [--out FILE]
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class RunSpec:
     device: str
     threads: int
     save: str
+    dtype: str = "float64"  # our compensator's compute dtype
 
 
 def build_layer(spec: RunSpec) -> tuple[nn.Module, list]:
@@ -124,9 +125,9 @@ def statistics_plan(layer: nn.Module, spec: RunSpec, need: str) -> dict[str, fro
 def run_ours(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) -> dict[str, Any]:
     """The statistics path through the library (one stats pass, prune_module per module); returns results."""
     registry = default_registry()
+    params: dict[str, Any] = {"dtype": spec.dtype} | ({"lam": LAMBDA} if spec.compensator == "ridge" else {})
     config = PruneConfig(scorer="variance", scorer_params={"activation": "mean-abs"}, compensator=spec.compensator,
-                         compensator_params={"lam": LAMBDA} if spec.compensator == "ridge" else {}, ratio=RATIO,
-                         gram_precision=spec.gram_precision)
+                         compensator_params=params, ratio=RATIO, gram_precision=spec.gram_precision)
     config.validate(registry)
     methods = registry.resolve(scorer=config.scorer, compensator=config.compensator)
     projections = {m: projection(layer, m) for m in MODULES}
@@ -310,7 +311,8 @@ def needed_bytes(path: str, spec_tokens: int, shape: str, scale: float) -> dict[
     """Rough peak bytes of a path beyond the layer: the official one grows with N, ours with d_in² only.
 
     Both hold the layer's inputs and outputs (4·N·2h). Official: X and Y of o_proj (2·4·N·h) and of
-    down_proj (4·N·(i + h)) plus its solve's X_K and Z (4·N·(0.8i + h)). Ours: G of both modules and about
+    down_proj (4·N·(i + h)) plus its solve's X_K and Z (4·N·(0.8i + h)). Ours (an upper bound): G of both modules
+    (C, h·i, where the flop model takes it instead, is smaller) and about
     six d_in² float64 solve temporaries of down_proj.
     """
     config = llama_config(shape, scale, layers=1)
@@ -432,6 +434,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="our Gram precision(s); each is its own variant")
     parser.add_argument("--gram-error", action="store_true", help="also accumulate a float64 G in the mixed run "
                         "and report ‖G − G64‖/‖G64‖ and the weight compensated from G64 (time not counted)")
+    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                        help="our compensator's compute dtype (float64: the library's default; float32: the "
+                        "official code's, checked at the float32 tolerance)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch/OpenMP threads per run")
     parser.add_argument("--max-memory-gib", type=float, help="refuse runs that need more than this")
@@ -458,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.shape} x{args.scale}: hidden {config.hidden_size}, MLP {config.intermediate_size}, "
           f"{config.num_attention_heads} heads; {args.device}, {args.threads} threads", flush=True)
     base = RunSpec("baseline", args.shape, args.scale, SEQLEN * BATCH_WINDOWS, "", "mixed", False, args.device,
-                   args.threads, "")
+                   args.threads, "", args.dtype)
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for tokens in args.tokens:
@@ -473,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         print(tabulate(issue_table(rows, f"ours[{precision}]"), headers="keys", floatfmt=".2f"))
     if args.out:
         settings = {"shape": args.shape, "scale": args.scale, "device": args.device, "threads": args.threads,
+                    "dtype": args.dtype,
                     "ratio": RATIO, "lambda": LAMBDA, "seqlen": SEQLEN, "batch_windows": BATCH_WINDOWS,
                     "torch": torch.__version__}
         args.out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2, default=str))

@@ -110,13 +110,24 @@ def auto_is_eigh(monkeypatch):
     monkeypatch.setattr(R, "AUTO_SOLVERS", {})
 
 
-def test_auto_is_the_svd_in_ms_dtype_on_the_cpu():
+def test_auto_is_the_float64_svd_on_the_cpu():
     m, _, _ = make_m(64, 52, 3.0, seed=1)
     for dtype in (F64, F32):
         out = R.polar(m.to(dtype))
         assert out.info["solver"] == "svd" and out.q.dtype == dtype
         assert out.info["orthogonality_error"] <= R.tolerance(64, dtype)
         assert out.info["optimality_gap"] <= R.tolerance(64, dtype)
+
+
+def test_float32_m_keeps_singular_directions_below_the_float32_rank_cut():
+    """σ down to 5e-6·σ₁ (< n·eps32 = 2.3e-5, > u32·‖M‖_F): real for the float32 M, so Q = U Vᵀ, not a completion."""
+    g = torch.Generator().manual_seed(4)
+    u, v = random_orthogonal(192, g), random_orthogonal(192, g)
+    m = (u * torch.logspace(0, -5.3, 192, dtype=F64)) @ v.T
+    m32 = m.to(F32)
+    left, _, right = torch.linalg.svd(m32.to(F64))  # full rank: the polar factor U Vᵀ is unique
+    assert float((R.polar(m32).q.to(F64) - left @ right).abs().max()) <= 1e-5
+    assert float((R.polar(m32.to(F64)).q - left @ right).abs().max()) <= 1e-9
 
 
 @pytest.mark.usefixtures("auto_is_eigh")
