@@ -21,7 +21,7 @@ Solvers (``solver=``):
   ``eigh+svd-fallback`` with the reason. ``info["solver"]`` records which ran. A float32 SVD is not
   used even for a float32 M: its rank cut n·eps32·σ₁ drops genuine singular directions (e.g. a
   random-init o_proj at 1/20 of LLaMA-7B's width, σ down to 1.4e-5·σ₁ < 2.3e-5·σ₁), whose completion
-  then moves Q W_K by 6 % of its largest entry.
+  then moves Q W_K by up to 8 % of its largest entry.
 * ``official``: the official code's numerics on purpose (float32 M, ``torch.linalg.svd`` with the
   default driver, Q = U Vᵀ with whatever completion the SVD gives). Its orthogonality error is
   recorded, not checked (``orthogonality_unchecked`` says why), because the float32 CUDA SVD breaks it.
