@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from rcpu_bench.compensation.rotation import Rotation, polar
-from rcpu_bench.statistics.activations import ActivationStats
+from rcpu_bench.statistics.activations import GRAM_BLOCK, ActivationStats
 
 # The paper's λ grid: 10^-6 … 10^6, 13 values.
 LAMBDA_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-6, 7))
@@ -40,6 +40,21 @@ def _dtype(name: str) -> torch.dtype:
     if name not in allowed:
         raise ValueError(f"unknown compute dtype {name!r}; allowed: {', '.join(allowed)}")
     return allowed[name]
+
+
+def blocked_product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """A B in float64 from products in ``dtype`` of blocks of ``GRAM_BLOCK`` along the inner dimension.
+
+    In float32 ("mixed", as the statistics' own sums) each entry is within (GRAM_BLOCK + 2)·u·Σ|a||b| of
+    the float64 product (u = 2⁻²⁴: rounding of the inputs and of a length-``GRAM_BLOCK`` dot product); in
+    float64 it is the plain product.
+    """
+    if dtype == torch.float64:
+        return a @ b
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
+    for start in range(0, a.shape[1], GRAM_BLOCK):
+        out += a[:, start : start + GRAM_BLOCK].to(dtype) @ b[start : start + GRAM_BLOCK].to(dtype)
+    return out
 
 
 class Problem:
@@ -72,7 +87,13 @@ class Problem:
         if self.stats.gram is None:
             raise ValueError("these statistics have neither the cross statistic C = Σ y xᵀ nor the Gram matrix G; "
                              "collect one for a compensator that declares needs='cross' or 'gram'")
-        return self.w @ self.stats.gram[:, self.kept]
+        return blocked_product(self.w, self.stats.gram[:, self.kept], self.product_dtype)
+
+    @property
+    def product_dtype(self) -> torch.dtype:
+        """Products of the statistics in float32 ("mixed", float32 modules) or float64 (reference path, float64
+        modules): ``blocked_product``."""
+        return torch.promote_types(self.stats.product_dtype, self.weight.dtype)
 
     @cached_property
     def gkk(self) -> Tensor:
@@ -224,16 +245,18 @@ def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Ten
 def rotation(problem: Problem, dtype: torch.dtype, solver: str) -> Rotation:
     """Orthogonal Procrustes Q* = argmax_{QᵀQ=I} tr(QᵀM), M = Y Zᵀ = Y X_Kᵀ W_Kᵀ (paper eq. procrustes_sol).
 
-    M is formed in the compute dtype from Y X_Kᵀ (C[:,K] or W G[:,K]) and W_K cast to it (as the official code
-    forms Y Aᵀ in float32); ``rcpu_bench.compensation.rotation.polar`` documents the solvers and the choice of Q
-    when M is rank-deficient.
+    M is formed from Y X_Kᵀ (C[:,K] or W G[:,K]) and W_K: in float32 for ``dtype='float32'`` (as the official
+    code forms Y Aᵀ), else summed in float64 from the statistics' products (``blocked_product``: float32
+    blocks for the mixed statistics of a float32 module); ``rcpu_bench.compensation.rotation.polar`` documents
+    the solvers and the choice of Q when M is rank-deficient.
     Q may be a reflection (det −1), as in the paper. Only ``solver='official'`` takes ``dtype='float32'``
     alone: it reproduces the official float32 numerics.
     """
     if solver == "official" and dtype != torch.float32:
         raise ValueError(f"solver='official' computes in float32 as the official code; got dtype={dtype}: "
                          "pass dtype='float32'")
-    m = problem.yxk.to(dtype) @ problem.wk.to(dtype).T
+    m = problem.yxk.to(dtype) @ problem.wk.to(dtype).T if dtype != torch.float64 else \
+        blocked_product(problem.yxk, problem.wk.T, problem.product_dtype)
     result = polar(m, solver)
     result.info["compute_dtype"] = str(dtype).removeprefix("torch.")
     return result

@@ -9,16 +9,16 @@ A method declares the most it reads (``needs``, paper notation: W d_out × d_in,
   Y X_Kᵀ from C or from G.
 
 So the sufficient sets are {} for "moments", {C} or {G} for "cross", {G} or {G, C} for "gram", and the
-cheapest by this model is collected (ties: the set without C). Costs, in float32-product flops (a
-float64 flop counts ``FLOAT64_COST``: half the float32 rate on CPU, and on most GPUs less):
+cheapest by this model is collected (ties: the set without C). Costs, in flops of float32 products (all
+three are float32 products summed in float64 in "mixed" precision):
 
-    collect G (upper block triangle, mixed)   N·d_in²
-    collect C (mixed)                         2·N·d_out·d_in
-    Y X_Kᵀ = W G[:,K] from G (float64)        2·d_out·d_in·k · FLOAT64_COST
+    collect G (upper block triangle)              N·d_in²
+    collect C                                     2·N·d_out·d_in
+    Y X_Kᵀ = W G[:,K] from G (``blocked_product``)  2·d_out·d_in·k
 
-E.g. LLaMA-7B at N = 16,384, ratio 0.2: o_proj (4096 → 4096, k ≈ 3277) {G} 5.0e11 < {C} 5.5e11;
-down_proj (11,008 → 4096, k ≈ 8806) {C} 1.5e12 < {G} 3.6e12, and for ridge {G, C} 3.5e12 < {G}. For
-"cross", G wins when N·d_in + 4·d_out·k < 2·N·d_out, i.e. for outputs as wide as the inputs and many
+E.g. LLaMA-7B at N = 16,384, ratio 0.2: o_proj (4096 → 4096, k ≈ 3277) {G} 3.9e11 < {C} 5.5e11;
+down_proj (11,008 → 4096, k ≈ 8806) {C} 1.5e12 < {G} 2.8e12, and for ridge {G} 2.8e12 < {G, C} 3.5e12.
+For "cross", G wins when N·d_in + 2·d_out·k < 2·N·d_out, i.e. for outputs as wide as the inputs and many
 tokens. G_KK alone cannot be collected: K is chosen from the same pass's moments, so G is collected
 whole and the solvers read only its blocks.
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 
 NEEDS: tuple[str, ...] = ("moments", "cross", "gram")  # each reads at least what the one before reads
-FLOAT64_COST = 2.0
 SUFFICIENT: dict[str, tuple[frozenset[str], ...]] = {
     "moments": (frozenset(),),
     "cross": (frozenset({"cross"}), frozenset({"gram"})),
@@ -60,7 +59,7 @@ def statistics_flops(kinds: frozenset[str], n: int, d_out: int, d_in: int, k: in
     if "cross" in kinds:
         cost += 2 * n * d_out * d_in
     elif "gram" in kinds:
-        cost += 2 * d_out * d_in * k * FLOAT64_COST
+        cost += 2 * d_out * d_in * k
     return cost
 
 
