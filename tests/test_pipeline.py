@@ -58,6 +58,11 @@ def reference_procrustes(weight: torch.Tensor, x: torch.Tensor, unit: int, ratio
     return (u @ vh) @ w[:, cols], pruned
 
 
+def assert_within_mixed_tolerance(got: torch.Tensor, want: torch.Tensor) -> None:
+    """max|W̃ − W̃₆₄| ≤ 1e-4·max|W̃₆₄|: the mixed statistics' stated tolerance (tests/test_statistics_paths.py)."""
+    assert float((got.detach().double() - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
 @needs_stories
 @pytest.mark.parametrize("kind", ["mha", "gqa"])
 def test_first_layer_matches_a_materialised_reference(stories, kind):
@@ -73,8 +78,9 @@ def test_first_layer_matches_a_materialised_reference(stories, kind):
     report = prune_model(model, ids, PruneConfig(ratio=0.25), progress=False)
     assert report.layers[0]["attention"]["pruned_units"] == pruned_o.tolist()
     assert report.layers[0]["mlp"]["pruned_units"] == pruned_d.tolist()
-    torch.testing.assert_close(model.model.layers[0].self_attn.o_proj.weight.double(), want_o, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight.double(), want_d, atol=1e-5, rtol=1e-4)
+    for got, want in ((model.model.layers[0].self_attn.o_proj.weight, want_o),
+                      (model.model.layers[0].mlp.down_proj.weight, want_d)):
+        assert_within_mixed_tolerance(got, want)
 
 
 @needs_stories
@@ -90,7 +96,7 @@ def test_second_layer_sees_pruned_or_dense_inputs(stories, statistics):
         upstream.model.layers[0] = model.model.layers[0]
     x = module_inputs(upstream, ids, 1)
     want, _ = reference_procrustes(dense.model.layers[1].self_attn.o_proj.weight, x["o_proj"], 8, 0.25)
-    torch.testing.assert_close(model.model.layers[1].self_attn.o_proj.weight.double(), want, atol=1e-5, rtol=1e-4)
+    assert_within_mixed_tolerance(model.model.layers[1].self_attn.o_proj.weight, want)
 
 
 @pytest.mark.parametrize("compensator", COMPENSATORS)
