@@ -25,6 +25,7 @@ from rcpu_bench import builtin, hookspecs
 from rcpu_bench.compensation.rotation import tolerance as orthogonality_tolerance
 from rcpu_bench.hookspecs import NEEDS, CompensatorEntry, Kind, ModelMethodEntry, Needs, ScorerEntry
 from rcpu_bench.statistics.activations import ActivationStats
+from rcpu_bench.version import __version__
 
 KINDS: tuple[Kind, ...] = ("scorer", "compensator", "model-method")
 _HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "compensator": "register_compensators",
@@ -302,8 +303,6 @@ class PluginManager(pluggy.PluginManager):
 
     def register_builtins(self) -> None:
         """The built-in methods, registered in code (no installed metadata needed)."""
-        from rcpu_bench import __version__
-
         self.register(builtin, name="builtin")
         self.providers["builtin"] = f"builtin (rcpu-bench {__version__})"
 

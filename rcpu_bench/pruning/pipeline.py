@@ -25,13 +25,19 @@ from torch import Tensor, nn
 
 from rcpu_bench import console
 from rcpu_bench.compensation.diagnostics import module_generalisation
-from rcpu_bench.model.adapter import decoder_layers, layer_view, model_view
+from rcpu_bench.model.adapter import check_prunable, decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
-from rcpu_bench.model.views import UnitMap
+from rcpu_bench.model.views import LayerView, UnitMap
 from rcpu_bench.pruning.options import MODULES, PruneConfig
 from rcpu_bench.registry import Registry, Resolved, default_registry
 from rcpu_bench.selection.scorers import unit_scores
-from rcpu_bench.selection.select import Selection, select_by_score, select_within_groups
+from rcpu_bench.selection.select import (
+    Selection,
+    kept_multiple,
+    round_kept,
+    select_by_score,
+    select_within_groups,
+)
 from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
 from rcpu_bench.statistics.flops import cheapest_statistics, expected_kept
 
@@ -60,7 +66,10 @@ def select_units(mapping: UnitMap, scores: Tensor, config: PruneConfig) -> Selec
     units = unit_scores(scores, mapping.unit_size, config.head_aggregation)
     if mapping.group_size > 1:
         return select_within_groups(units, mapping.group_size, config.ratio, config.rounding)
-    return select_by_score(units, config.ratio, config.rounding)
+    selection = select_by_score(units, config.ratio, config.rounding)
+    if config.round_to:
+        return round_kept(selection, units, kept_multiple(config.round_to, mapping.unit_size))
+    return selection
 
 
 def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: PruneConfig, methods: Resolved,
@@ -81,9 +90,29 @@ def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: 
         result = compensator(proj.weight, stats, columns.kept, columns.pruned, **params)
     diagnostics = {} if held_out is None else {
         "generalisation": module_generalisation(proj.weight, stats, held_out, columns.kept, compensator.name, result)}
-    view.apply(module, columns, result.weight, result.bias)
+    view.apply(module, columns, result.weight, added_bias(proj.bias, result.bias))
     return {"compensator": compensator.name, "units_total": len(units.kept) + len(units.pruned),
-            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info, **diagnostics}
+            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info, **diagnostics,
+            **post_norm_notes(view, module, result.info)}
+
+
+def added_bias(existing: Tensor | None, compensation: Tensor | None) -> Tensor | None:
+    """The consumer's new bias: a compensator's bias adds to the existing one (FLAP: b₀ + W_D μ_D); None keeps it."""
+    if compensation is None or existing is None:
+        return compensation
+    return existing.detach() + compensation
+
+
+def post_norm_notes(view: LayerView, module: str, info: dict[str, Any]) -> dict[str, bool]:
+    """Notes for a module whose output goes through a norm before the residual (Gemma's sandwich norms).
+
+    An RMSNorm divides out any common scale s of its input (RMSNorm(s·y) = RMSNorm(y) up to ε), so a
+    compensator's scale (``info["scale"]``: scaled-procrustes' s*) has no effect there: ``scale_void``
+    records that the run is the unscaled method, instead of reporting a distinct one.
+    """
+    if view.post_norm(module) is None:
+        return {}
+    return {"post_norm": True, **({"scale_void": True} if "scale" in info else {})}
 
 
 def _statistics_plan(layer: nn.Module, needs: dict[str, str], inputs: list[LayerInput], config: PruneConfig
@@ -186,6 +215,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         torch.cuda.reset_peak_memory_stats(device)
     if config.model_method is not None:
         return _run_model_method(model, calib_ids, config, methods, device)
+    check_prunable(model, [m for m in MODULES if m in config.prune])
     layers = decoder_layers(model)
     selections = global_selections(model, calib_ids, config, methods, device) if config.structure == "al-am" else None
     totals = Timer(device)
@@ -314,9 +344,18 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
                 units += _layer_units(layer, index, module, scores, config.gqa_rule)
         inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
     kept = _global_keep(units, config.ratio)
-    n_layers = len(decoder_layers(model))
-    return [{m: _selection([u for u in units if u.layer == i and u.module == m], kept) for m in modules}
-            for i in range(n_layers)]
+    layers = decoder_layers(model)
+    selections = []
+    for i, layer in enumerate(layers):
+        selections.append({})
+        for module in modules:
+            module_units = [u for u in units if u.layer == i and u.module == module]
+            selection = _selection(module_units, kept)
+            if config.round_to:
+                selection = _rounded(layer_view(layer).units(module).unit_size, module_units, selection,
+                                     config.round_to)
+            selections[i][module] = selection
+    return selections
 
 
 def _global_keep(units: list[Unit], ratio: float) -> set[Unit]:
@@ -333,6 +372,12 @@ def _global_keep(units: list[Unit], ratio: float) -> set[Unit]:
     for unit in ordered:
         best.setdefault((unit.layer, unit.module), unit)
     return kept | set(best.values())
+
+
+def _rounded(unit_size: int, module_units: list[Unit], selection: Selection, channels: int) -> Selection:
+    """An AL-AM module's selection with its kept width rounded to a multiple of ``channels`` (``round_kept``)."""
+    scores = torch.tensor([u.score for u in sorted(module_units, key=lambda u: u.index)])
+    return round_kept(selection, scores, kept_multiple(channels, unit_size))
 
 
 def _selection(module_units: list[Unit], kept: set[Unit]) -> Selection:
