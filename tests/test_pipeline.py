@@ -189,7 +189,7 @@ def test_recollecting_mlp_statistics_uses_the_pruned_attention(stories):
     upstream.model.layers[0].self_attn = model.model.layers[0].self_attn
     x = module_inputs(upstream, ids, 0)["down_proj"]
     want, _ = reference_procrustes(dense.model.layers[0].mlp.down_proj.weight, x, 1, 0.25)
-    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight.double(), want, atol=1e-5, rtol=1e-4)
+    assert_within_mixed_tolerance(model.model.layers[0].mlp.down_proj.weight, want)
 
 
 def test_offloading_gives_the_same_model():
@@ -209,7 +209,9 @@ def test_batch_size_does_not_change_the_result():
     prune_model(a, ids, PruneConfig(ratio=0.4, batch_size=1), progress=False)
     prune_model(b, ids, PruneConfig(ratio=0.4, batch_size=8), progress=False)
     probe = tokens(dense.config.vocab_size, seed=9)
-    torch.testing.assert_close(logits(a, probe), logits(b, probe), atol=1e-5, rtol=1e-5)
+    # The batches' float32 rounding differs; the mixed products (W G[:,K], M) carry it through this tiny,
+    # ill-conditioned model to 1.6e-5 (1.0e-5 with float64 products).
+    torch.testing.assert_close(logits(a, probe), logits(b, probe), atol=3e-5, rtol=1e-5)
 
 
 @needs_stories
