@@ -4,12 +4,14 @@ Both paths prune the same random-init LLaMA-7B- or 13B-shaped decoder layer (o_p
 0.2, floor rounding) from the same N calibration tokens (random ids through the embedding, 128-token
 windows, batches of 8 windows), on the CPU or a CUDA device:
 
-* **ours**: one pass with ``collect_input_stats`` (float64 moments and G = Σ x xᵀ, ``--gram-precision``),
-  then for o_proj and down_proj ``rcpu_bench.pruning.pipeline.prune_module``: the registry's ``variance`` scorer
+* **ours**: one pass with ``collect_input_stats`` collecting, per module, the cheapest statistics sufficient
+  for the compensator by the pipeline's flop model (``rcpu_bench.statistics.flops``: G = Σ x xᵀ and/or
+  C = Σ y xᵀ, ‖Y‖², ``--gram-precision``), then for o_proj and down_proj
+  ``rcpu_bench.pruning.pipeline.prune_module``: the registry's ``variance`` scorer
   (``activation='mean-abs'``, the official statistic), floor selection, the registry's compensator,
-  surgery.
-* **official** (docs/methods.md §4, the official code replayed independently): forward hooks store X and Y of
-  both modules in float32 (preallocated: a lower bound of the reference's concatenated copies, on the same device)
+  surgery. The set collected and the rotation solver run are recorded per module.
+* **official** (docs/methods.md §7, the official code replayed independently): forward hooks store X and Y of both modules
+  in float32 (preallocated: a lower bound of the reference's concatenated copies, on the same device)
   and a running Σ|x|; score γ_j = ‖W_j‖₂·mean|x_j|·Var(x_j) (float32, population variance), head
   scores summed, threshold sorted[⌊ρn⌋] with score ≥ threshold kept; procrustes: M = Y Zᵀ with
   Z = W_K X_K, ``torch.linalg.svd`` in float32, Q W_K; ridge: (Y X_Kᵀ + λW_K)·inv(X_K X_Kᵀ + λI).
@@ -21,9 +23,12 @@ what the layer and its inputs hold; on the CPU the peak RSS (VmHWM) of a fresh s
 minus that of a baseline subprocess that only builds the layer and its inputs. The compensated weights
 of the two paths are compared (same selection, max relative difference); a disagreement above 1e-3
 exits with status 1. A token count whose official replay would not fit in memory is refused up front.
+At the end the issue-19 table is printed per (N, compensator): statistics + score + solve per module,
+their total without the layer forward, and the peak memory, official against ours, with the ratio.
 
 Usage: python benchmarks/compare_stats_vs_activations.py [--shape 7b] [--tokens 16384 65536] [--device cpu]
-           [--compensator procrustes ridge] [--scale 0.05] [--gram-precision mixed] [--gram-error] [--out FILE]
+           [--compensator procrustes ridge] [--threads 2] [--scale 0.05] [--gram-precision mixed] [--gram-error]
+           [--dtype float64] [--out FILE]
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from rcpu_bench.pruning.pipeline import PruneConfig, Timer, prune_module
 from rcpu_bench.registry import default_registry
 from rcpu_bench.selection.select import Selection
 from rcpu_bench.statistics.activations import GRAM_PRECISIONS, collect_input_stats
+from rcpu_bench.statistics.flops import cheapest_statistics, expected_kept
 
 SEED = 0
 RATIO = 0.2
@@ -78,6 +84,7 @@ class RunSpec:
     device: str
     threads: int
     save: str
+    dtype: str = "float64"  # our compensator's compute dtype
 
 
 def build_layer(spec: RunSpec) -> tuple[nn.Module, list]:
@@ -105,17 +112,30 @@ def timed(fn: Callable[..., Any], timer: Timer, name: str) -> Callable[..., Any]
     return wrapper
 
 
+def statistics_plan(layer: nn.Module, spec: RunSpec, need: str) -> dict[str, frozenset[str]]:
+    """The pipeline's choice per module: the cheapest statistics sufficient for ``need`` over N tokens."""
+    plan = {}
+    for module in MODULES:
+        d_out, d_in = projection(layer, module).weight.shape
+        plan[module] = cheapest_statistics(need, spec.tokens, d_out, d_in, expected_kept(d_in, RATIO),
+                                           spec.gram_precision)
+    return plan
+
+
 def run_ours(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) -> dict[str, Any]:
     """The statistics path through the library (one stats pass, prune_module per module); returns results."""
     registry = default_registry()
+    params: dict[str, Any] = {"dtype": spec.dtype} | ({"lam": LAMBDA} if spec.compensator == "ridge" else {})
     config = PruneConfig(scorer="variance", scorer_params={"activation": "mean-abs"}, compensator=spec.compensator,
-                         compensator_params={"lam": LAMBDA} if spec.compensator == "ridge" else {}, ratio=RATIO,
-                         gram_precision=spec.gram_precision)
+                         compensator_params=params, ratio=RATIO, gram_precision=spec.gram_precision)
     config.validate(registry)
     methods = registry.resolve(scorer=config.scorer, compensator=config.compensator)
     projections = {m: projection(layer, m) for m in MODULES}
+    plan = statistics_plan(layer, spec, methods.needs(True))
     dense = {m: p.weight.detach().clone() for m, p in projections.items()} if spec.gram_error else {}
-    with collect_input_stats(projections, gram_precision=spec.gram_precision) as stats, \
+    with collect_input_stats(projections, with_gram=[m for m in MODULES if "gram" in plan[m]],
+                             with_cross=[m for m in MODULES if "cross" in plan[m]],
+                             gram_precision=spec.gram_precision) as stats, \
             collect_input_stats(projections if spec.gram_error else {}, gram_precision="float64") as reference:
         for module, accumulator in stats.items():
             accumulator.update = timed(accumulator.update, timer, f"{MODULES[module]} statistics")
@@ -132,7 +152,9 @@ def run_ours(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) -> dic
         mapping = layer_view(layer).units(module, config.gqa_rule)
         pruned_units = torch.tensor(report["pruned_units"], dtype=torch.long)
         results[module] = {"weight": projection(layer, module).weight.detach().cpu(),
-                           "pruned_columns": columns_of(pruned_units, mapping.unit_size)}
+                           "pruned_columns": columns_of(pruned_units, mapping.unit_size),
+                           "statistics": "+".join(sorted(plan[module])) or "moments",
+                           "solver": report.get("solver", "")}
         if spec.gram_error:
             results[module] |= gram_error(dense[module], stats[module], reference[module], results[module], spec)
     return results
@@ -144,7 +166,8 @@ def columns_of(units: Tensor, unit_size: int) -> Tensor:
 
 
 def gram_error(weight: Tensor, stats, reference, result: dict[str, Any], spec: RunSpec) -> dict[str, float]:
-    """‖G − G₆₄‖_F/‖G₆₄‖_F and the compensated weight from G₆₄ against ours (max relative difference)."""
+    """‖G − G₆₄‖_F/‖G₆₄‖_F and ‖C − W G₆₄‖_F/‖W G₆₄‖_F for what was collected, and the weight compensated
+    from G₆₄ against ours (max relative difference)."""
     registry = default_registry()
     pruned = result["pruned_columns"].to(weight.device)
     kept_mask = torch.ones(weight.shape[1], dtype=torch.bool, device=weight.device)
@@ -152,9 +175,14 @@ def gram_error(weight: Tensor, stats, reference, result: dict[str, Any], spec: R
     kept = kept_mask.nonzero().squeeze(1)
     params = {"lam": LAMBDA} if spec.compensator == "ridge" else {}
     from_float64 = registry.compensator(spec.compensator)(weight, reference, kept, pruned, **params).weight.cpu()
-    g, g64 = stats.gram, reference.gram
-    return {"gram_rel_frobenius_error": float((g - g64).norm() / g64.norm()),
-            "weight_rel_diff_vs_float64": max_relative_difference(result["weight"], from_float64)}
+    g64 = reference.gram
+    errors = {"weight_rel_diff_vs_float64": max_relative_difference(result["weight"], from_float64)}
+    if stats.gram is not None:
+        errors["gram_rel_frobenius_error"] = float((stats.gram - g64).norm() / g64.norm())
+    if stats.cross is not None:
+        wg64 = weight.to(torch.float64) @ g64
+        errors["cross_rel_frobenius_error"] = float((stats.cross - wg64).norm() / wg64.norm())
+    return errors
 
 
 class ActivationStore:
@@ -283,7 +311,8 @@ def needed_bytes(path: str, spec_tokens: int, shape: str, scale: float) -> dict[
     """Rough peak bytes of a path beyond the layer: the official one grows with N, ours with d_in² only.
 
     Both hold the layer's inputs and outputs (4·N·2h). Official: X and Y of o_proj (2·4·N·h) and of
-    down_proj (4·N·(i + h)) plus its solve's X_K and Z (4·N·(0.8i + h)). Ours: G of both modules and about
+    down_proj (4·N·(i + h)) plus its solve's X_K and Z (4·N·(0.8i + h)). Ours (an upper bound): G of both modules
+    (C, h·i, where the flop model takes it instead, is smaller) and about
     six d_in² float64 solve temporaries of down_proj.
     """
     config = llama_config(shape, scale, layers=1)
@@ -360,6 +389,35 @@ def compare(tokens: int, compensator: str, args: argparse.Namespace, base: RunSp
     return rows
 
 
+def issue_table(rows: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
+    """Issue 19's table per (N, compensator): each module's statistics + score + solve, their total without
+    the layer forward, and the peak memory, official replay against ``label`` (e.g. ours[mixed]), with ratios."""
+    table = []
+    cases = dict.fromkeys((r["tokens"], r["compensator"]) for r in rows if "agreement" not in r["part"])
+    for tokens, compensator in cases:
+        parts = {r["part"]: r for r in rows if (r["tokens"], r["compensator"]) == (tokens, compensator)}
+        totals = {"official": 0.0, label: 0.0}
+        for name in MODULES.values():
+            times = {side: [parts[f"{name} {part}"][side] for part in ("statistics", "score", "solve")]
+                     for side in totals}
+            chosen = parts[f"{name} agreement"]
+            table.append({"N": tokens, "compensator": compensator,
+                          "part": f"{name} statistics + score + solve",
+                          **{side: " + ".join(f"{t:.2f}" for t in times[side]) for side in totals},
+                          "ratio": report_ratio(sum(times[label]), sum(times["official"])),
+                          "ours: statistics, solver": f"{chosen.get('statistics')}, {chosen.get('solver') or '-'}"})
+            for side in totals:
+                totals[side] += sum(times[side])
+        table.append({"N": tokens, "compensator": compensator, "part": "total without the layer forward",
+                      **{side: f"{totals[side]:.2f}" for side in totals},
+                      "ratio": report_ratio(totals[label], totals["official"])})
+        memory = parts["peak net MiB"]
+        table.append({"N": tokens, "compensator": compensator, "part": "peak memory (GiB, net)",
+                      **{side: f"{memory[side] / 1024:.2f}" for side in totals},
+                      "ratio": report_ratio(memory[label], memory["official"])})
+    return table
+
+
 def report_ratio(ours: float, official: float) -> float:
     return ours / official if official > 0 else math.nan
 
@@ -376,6 +434,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="our Gram precision(s); each is its own variant")
     parser.add_argument("--gram-error", action="store_true", help="also accumulate a float64 G in the mixed run "
                         "and report ‖G − G64‖/‖G64‖ and the weight compensated from G64 (time not counted)")
+    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                        help="our compensator's compute dtype (float64: the library's default; float32: the "
+                        "official code's, checked at the float32 tolerance)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch/OpenMP threads per run")
     parser.add_argument("--max-memory-gib", type=float, help="refuse runs that need more than this")
@@ -402,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.shape} x{args.scale}: hidden {config.hidden_size}, MLP {config.intermediate_size}, "
           f"{config.num_attention_heads} heads; {args.device}, {args.threads} threads", flush=True)
     base = RunSpec("baseline", args.shape, args.scale, SEQLEN * BATCH_WINDOWS, "", "mixed", False, args.device,
-                   args.threads, "")
+                   args.threads, "", args.dtype)
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for tokens in args.tokens:
@@ -412,8 +473,12 @@ def main(argv: list[str] | None = None) -> int:
                      for row in compare(tokens, compensator, args, base, baseline, Path(workdir))]
     print(tabulate([r for r in rows if "agreement" not in r["part"]], headers="keys", floatfmt=".3g"))
     print(tabulate([r for r in rows if "agreement" in r["part"]], headers="keys", floatfmt=".3g"))
+    for precision in args.gram_precision:
+        print(f"\nIssue 19 table, seconds: official replay against ours[{precision}] (ratio ours/official)")
+        print(tabulate(issue_table(rows, f"ours[{precision}]"), headers="keys", floatfmt=".2f"))
     if args.out:
         settings = {"shape": args.shape, "scale": args.scale, "device": args.device, "threads": args.threads,
+                    "dtype": args.dtype,
                     "ratio": RATIO, "lambda": LAMBDA, "seqlen": SEQLEN, "batch_windows": BATCH_WINDOWS,
                     "torch": torch.__version__}
         args.out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2, default=str))

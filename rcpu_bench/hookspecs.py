@@ -7,7 +7,9 @@ a ``register`` callable bound to its plugin (``Register`` below). What a plugin 
 (``ScorerEntry``, ``CompensatorEntry``, ``ModelMethodEntry``), which checks parameters and results.
 
 Keyword-only arguments with defaults are a method's parameters. ``needs`` declares the cheapest
-statistic the method reads: "moments" (N, Σx, Σ|x|, Σx²) or "gram" (also G = Σ x xᵀ).
+statistic the method reads: "moments" (N, Σx, Σ|x|, Σx², and ‖Y‖² when outputs were seen), "cross" (also
+Y X_Kᵀ, from C = Σ y xᵀ or from G: read it through ``compensators.Problem.yxk``) or "gram" (also G = Σ x xᵀ).
+The harness collects the cheapest sufficient statistics for the need (``rcpu_bench.statistics.flops``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ hookspec = pluggy.HookspecMarker("rcpu_bench")
 hookimpl = pluggy.HookimplMarker("rcpu_bench")
 
 Kind = Literal["scorer", "compensator", "model-method"]
-Needs = Literal["moments", "gram"]
-NEEDS: tuple[Needs, ...] = ("moments", "gram")
+Needs = Literal["moments", "cross", "gram"]
+NEEDS: tuple[Needs, ...] = ("moments", "cross", "gram")  # ordered: each reads at least what the one before reads
 
 
 # --- what a plugin provides ------------------------------------------------------------------------

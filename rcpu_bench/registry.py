@@ -88,7 +88,7 @@ class Method:
         if self.kind == "model-method" or key in self._accepted:  # model methods: no cheap trial problem exists
             return
         try:
-            self(*_trial_problem(self.kind, with_gram=self.needs == "gram"), **params)
+            self(*_trial_problem(self.kind, self.needs), **params)
         except PluginContractError:
             raise
         except Exception as error:
@@ -104,7 +104,7 @@ class Method:
 
     def _succeeds_with_gram(self, params: Mapping[str, Any]) -> bool:
         try:
-            self(*_trial_problem(self.kind, with_gram=True), **params)
+            self(*_trial_problem(self.kind, "gram"), **params)
         except Exception:  # noqa: BLE001 (any failure of the trial means: not without G)
             return False
         return True
@@ -131,12 +131,15 @@ def _parses_as_number(text: str) -> bool:
     return True
 
 
-def _trial_problem(kind: Kind, *, with_gram: bool) -> tuple[Any, ...]:
-    """W (3 × 4) and the statistics of 32 random tokens; compensators also get K = {0, 2}, pruned {1, 3}."""
+def _trial_problem(kind: Kind, needs: Needs) -> tuple[Any, ...]:
+    """W (3 × 4) and the statistics of 32 random tokens; compensators also get K = {0, 2}, pruned {1, 3}.
+
+    The statistics are those declared: moments and ‖Y‖², plus C alone for "cross", plus G alone for "gram"."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(3, 4, generator=generator)
     x = torch.randn(32, 4, generator=generator, dtype=torch.float64)
-    stats = ActivationStats.from_activations(x, with_gram=with_gram)
+    stats = ActivationStats.from_activations(x, with_gram=needs == "gram", outputs=x @ weight.double().T,
+                                             with_cross=needs == "cross")
     indices = (torch.tensor([0, 2]), torch.tensor([1, 3])) if kind == "compensator" else ()
     return (weight, stats, *indices)
 
@@ -231,9 +234,9 @@ class Resolved:
     def compensator_for(self, compensated: bool) -> CompensatorEntry:
         return self.compensator if compensated else self.uncompensated
 
-    def needs_gram(self, compensated: bool) -> bool:
-        """Whether a module's statistics must include G: its scorer, or its compensator, declares "gram"."""
-        return self.scorer.needs == "gram" or self.compensator_for(compensated).needs == "gram"
+    def needs(self, compensated: bool) -> Needs:
+        """The statistics a module's scorer and compensator read together: the stronger of their ``needs``."""
+        return max(self.scorer.needs, self.compensator_for(compensated).needs, key=NEEDS.index)
 
 
 class Registry:

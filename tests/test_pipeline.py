@@ -66,6 +66,11 @@ def reference_procrustes(weight: torch.Tensor, x: torch.Tensor, unit: int, ratio
     return (u @ vh) @ w[:, cols], pruned
 
 
+def assert_within_mixed_tolerance(got: torch.Tensor, want: torch.Tensor) -> None:
+    """max|W̃ − W̃₆₄| ≤ 1e-4·max|W̃₆₄|: the mixed statistics' stated tolerance (tests/test_statistics_paths.py)."""
+    assert float((got.detach().double() - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
 @needs_stories
 @pytest.mark.parametrize("kind", ["mha", "gqa"])
 def test_first_layer_matches_a_materialised_reference(stories, kind):
@@ -81,8 +86,9 @@ def test_first_layer_matches_a_materialised_reference(stories, kind):
     report = prune_model(model, ids, PruneConfig(ratio=0.25), progress=False)
     assert report.layers[0]["attention"]["pruned_units"] == pruned_o.tolist()
     assert report.layers[0]["mlp"]["pruned_units"] == pruned_d.tolist()
-    torch.testing.assert_close(model.model.layers[0].self_attn.o_proj.weight.double(), want_o, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight.double(), want_d, atol=1e-5, rtol=1e-4)
+    for got, want in ((model.model.layers[0].self_attn.o_proj.weight, want_o),
+                      (model.model.layers[0].mlp.down_proj.weight, want_d)):
+        assert_within_mixed_tolerance(got, want)
 
 
 @needs_stories
@@ -98,7 +104,7 @@ def test_second_layer_sees_pruned_or_dense_inputs(stories, statistics):
         upstream.model.layers[0] = model.model.layers[0]
     x = module_inputs(upstream, ids, 1)
     want, _ = reference_procrustes(dense.model.layers[1].self_attn.o_proj.weight, x["o_proj"], 8, 0.25)
-    torch.testing.assert_close(model.model.layers[1].self_attn.o_proj.weight.double(), want, atol=1e-5, rtol=1e-4)
+    assert_within_mixed_tolerance(model.model.layers[1].self_attn.o_proj.weight, want)
 
 
 @pytest.mark.parametrize("compensator", COMPENSATORS)
@@ -133,12 +139,12 @@ def test_every_scorer_and_compensator_prunes_a_working_model(stories, kind, scor
     assert parameter_count(dense) - parameter_count(model) + bias == expected_parameters(dense.config, report)
     assert all(layer["attention"]["units_pruned"] == int(0.3 * (4 if kind == "gqa" else 8)) for layer in report.layers)
     assert all(layer["mlp"]["units_pruned"] == int(0.3 * 172) for layer in report.layers)
-    needs_gram = default_registry().compensator(compensator).needs == "gram"
     for layer in report.layers:
         for module in ("attention", "mlp"):
-            info = layer[module]["info"]
-            assert ("objective_after" in info) == needs_gram  # only the Gram path can evaluate the objective
-            if needs_gram:
+            info = {**layer[module], **layer[module]["info"]}
+            with_gram = "gram" in info["statistics"]
+            assert ("objective_after" in info) == with_gram  # only the Gram path can evaluate the objective
+            if with_gram:
                 assert info["objective_after"] <= info["objective_before"] * (1 + 1e-9)
     out = logits(model, tokens(dense.config.vocab_size, seed=7))
     assert torch.isfinite(out).all()
@@ -189,7 +195,7 @@ def test_recollecting_mlp_statistics_uses_the_pruned_attention(stories):
     upstream.model.layers[0].self_attn = model.model.layers[0].self_attn
     x = module_inputs(upstream, ids, 0)["down_proj"]
     want, _ = reference_procrustes(dense.model.layers[0].mlp.down_proj.weight, x, 1, 0.25)
-    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight.double(), want, atol=1e-5, rtol=1e-4)
+    assert_within_mixed_tolerance(model.model.layers[0].mlp.down_proj.weight, want)
 
 
 def test_offloading_gives_the_same_model():
@@ -209,7 +215,9 @@ def test_batch_size_does_not_change_the_result():
     prune_model(a, ids, PruneConfig(ratio=0.4, batch_size=1), progress=False)
     prune_model(b, ids, PruneConfig(ratio=0.4, batch_size=8), progress=False)
     probe = tokens(dense.config.vocab_size, seed=9)
-    torch.testing.assert_close(logits(a, probe), logits(b, probe), atol=1e-5, rtol=1e-5)
+    # The batches' float32 rounding differs; the mixed products (W G[:,K], M) carry it through this tiny,
+    # ill-conditioned model to 1.6e-5 (1.0e-5 with float64 products).
+    torch.testing.assert_close(logits(a, probe), logits(b, probe), atol=3e-5, rtol=1e-5)
 
 
 @needs_stories

@@ -115,7 +115,7 @@ def test_builtins_are_registered_with_provider_and_needs():
         assert method.provider.startswith("builtin (rcpu-bench")
         assert method.description
     needs = {m.name: m.needs for m in registry.methods("compensator") if m.name in BUILTIN_COMPENSATORS}
-    assert needs == {"flap-bias": "moments", "none": "moments", "procrustes": "gram", "ridge": "gram",
+    assert needs == {"flap-bias": "moments", "none": "moments", "procrustes": "cross", "ridge": "gram",
                      "scaled-procrustes": "gram"}
 
 
@@ -213,7 +213,7 @@ def test_bad_needs_isolates_the_plugin_naming_it():
             register("toy-score", toy_score, needs="activations")
 
     registry = registry_with(("bad-needs", BadNeeds()))
-    assert "bad-needs: needs='activations'; allowed: moments, gram" in registry.broken["bad-needs"]
+    assert "bad-needs: needs='activations'; allowed: moments, cross, gram" in registry.broken["bad-needs"]
     assert registry.scorer("variance").provider.startswith("builtin")
 
 
@@ -330,7 +330,7 @@ def test_resolve_returns_the_entries_of_a_run():
     assert run.scorer is registry.scorer("toy-score") and run.compensator is registry.compensator("toy-shrink")
     assert run.compensator_for(True) is run.compensator
     assert run.compensator_for(False) is registry.compensator("none") and run.model_method is None
-    assert run.needs_gram(True) and not run.needs_gram(False)  # toy-shrink needs G, "none" and toy-score do not
+    assert run.needs(True) == "gram" and run.needs(False) == "moments"  # toy-shrink needs G; "none", toy-score not
 
 
 def test_resolve_names_what_exists_for_an_unknown_name():

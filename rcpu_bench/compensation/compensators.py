@@ -12,7 +12,7 @@ the ridge λ has the paper's meaning. Every compensator takes (W, stats, kept, p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from rcpu_bench.compensation.rotation import Rotation, polar
-from rcpu_bench.statistics.activations import ActivationStats
+from rcpu_bench.statistics.activations import GRAM_BLOCK, ActivationStats
 
 # The paper's λ grid: 10^-6 … 10^6, 13 values.
 LAMBDA_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-6, 7))
@@ -42,8 +42,28 @@ def _dtype(name: str) -> torch.dtype:
     return allowed[name]
 
 
+def blocked_product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """A B in float64 from products in ``dtype`` of blocks of ``GRAM_BLOCK`` along the inner dimension.
+
+    In float32 ("mixed", as the statistics' own sums) each entry is within (GRAM_BLOCK + 2)·u·Σ|a||b| of
+    the float64 product (u = 2⁻²⁴: rounding of the inputs and of a length-``GRAM_BLOCK`` dot product); in
+    float64 it is the plain product.
+    """
+    if dtype == torch.float64:
+        return a @ b
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
+    for start in range(0, a.shape[1], GRAM_BLOCK):
+        out += a[:, start : start + GRAM_BLOCK].to(dtype) @ b[start : start + GRAM_BLOCK].to(dtype)
+    return out
+
+
 class Problem:
-    """One module's compensation problem in float64 on the statistics' device, with shared products cached."""
+    """One module's compensation problem in float64 on the statistics' device, with shared products cached.
+
+    Only the products a compensator reads are formed, each from the cheapest statistic at hand: Y X_Kᵀ
+    from C's columns K or W G[:,K] (never the full W G), ‖Y‖² from the streamed outputs, and the
+    objective from the blocks G_DD, G_KK.
+    """
 
     def __init__(self, weight: Tensor, stats: ActivationStats, kept: Tensor):
         if weight.shape[1] != stats.d_in:
@@ -53,14 +73,27 @@ class Problem:
         self.wk = self.w[:, self.kept]
 
     @cached_property
-    def wg(self) -> Tensor:
-        """W G (d_out × d_in); its columns K are Y X_Kᵀ = W G[:,K]."""
-        return self.w @ self.stats.require_gram()
+    def dropped(self) -> Tensor:
+        """D, the input columns not in K."""
+        mask = torch.ones(self.stats.d_in, dtype=torch.bool, device=self.stats.device)
+        mask[self.kept] = False
+        return mask.nonzero().squeeze(1)
 
     @cached_property
     def yxk(self) -> Tensor:
-        """Y X_Kᵀ = W G[:,K]."""
-        return self.wg[:, self.kept]
+        """Y X_Kᵀ (d_out × k): C[:,K] when C = Σ y xᵀ was collected, else W G[:,K]."""
+        if self.stats.cross is not None:
+            return self.stats.cross[:, self.kept]
+        if self.stats.gram is None:
+            raise ValueError("these statistics have neither the cross statistic C = Σ y xᵀ nor the Gram matrix G; "
+                             "collect one for a compensator that declares needs='cross' or 'gram'")
+        return blocked_product(self.w, self.stats.gram[:, self.kept], self.product_dtype)
+
+    @property
+    def product_dtype(self) -> torch.dtype:
+        """Products of the statistics in float32 ("mixed", float32 modules) or float64 (reference path, float64
+        modules): ``blocked_product``."""
+        return torch.promote_types(self.stats.product_dtype, self.weight.dtype)
 
     @cached_property
     def gkk(self) -> Tensor:
@@ -69,31 +102,61 @@ class Problem:
 
     @cached_property
     def y_norm2(self) -> Tensor:
-        """‖Y‖_F² = tr(W G Wᵀ)."""
-        return (self.wg * self.w).sum()
+        """‖Y‖_F²: streamed from the module's outputs, else tr(W G Wᵀ) (statistics without outputs)."""
+        if self.stats.out_sq_sum is not None:
+            return self.stats.out_sq_sum
+        return ((self.w @ self.stats.require_gram()) * self.w).sum()
 
     @cached_property
     def z_norm2(self) -> Tensor:
         """‖Z‖_F² = tr(W_K G_KK W_Kᵀ)."""
         return ((self.wk @ self.gkk) * self.wk).sum()
 
-    def error(self, new_weight: Tensor, bias: Tensor | None = None) -> float:
-        """‖Y − W̃_K X_K − b 1ᵀ‖_F² over the calibration tokens, from G and Σx alone.
+    @cached_property
+    def pruned_error(self) -> Tensor:
+        """‖Y − W_K X_K‖_F² = ‖W_D X_D‖_F² = tr(W_D G_DD W_Dᵀ): the uncompensated error, without cancellation."""
+        w_d = self.w[:, self.dropped]
+        return ((w_d @ self.stats.require_gram()[self.dropped[:, None], self.dropped]) * w_d).sum()
 
-        = tr(W G Wᵀ) − 2 tr(W G[:,K] W̃_Kᵀ) + tr(W̃_K G_KK W̃_Kᵀ) − 2 bᵀ(W s − W̃_K s_K) + N‖b‖².
+    def error(self, new_weight: Tensor, bias: Tensor | None = None, quadratic: Tensor | None = None) -> float:
+        """‖Y − W̃_K X_K − b 1ᵀ‖_F² over the calibration tokens, from the statistics alone.
+
+        With Δ = W̃_K − W_K, Y − W̃_K X_K = W_D X_D − Δ X_K, so (without cancellation against ‖Y‖²)
+
+            = tr(W_D G_DD W_Dᵀ) − 2⟨Δ, W_D G_DK⟩ + tr(Δ G_KK Δᵀ) − 2 bᵀ(W s − W̃_K s_K) + N‖b‖².
+
+        ``quadratic``, when the compensator knows tr(W̃_K G_KK W̃_Kᵀ) more cheaply, is used in the form
+        ‖Y‖² − 2⟨W̃_K, Y X_Kᵀ⟩ + quadratic instead (d_out·k flops instead of 2·d_out·k²).
         """
+        if new_weight is self.wk and bias is None:
+            return float(self.pruned_error.clamp_min(0))
         w_new = new_weight.detach().to(device=self.stats.device, dtype=torch.float64)
-        quadratic = self.z_norm2 if new_weight is self.wk else ((w_new @ self.gkk) * w_new).sum()
-        err = self.y_norm2 - 2 * (self.yxk * w_new).sum() + quadratic
+        if quadratic is not None:
+            err = self.y_norm2 - 2 * (self.yxk * w_new).sum() + quadratic
+        else:
+            delta, w_d = w_new - self.wk, self.w[:, self.dropped]
+            g_dk = self.stats.require_gram()[self.dropped[:, None], self.kept]
+            err = self.pruned_error - 2 * ((w_d @ g_dk) * delta).sum() + ((delta @ self.gkk) * delta).sum()
         if bias is not None:
             b, s = bias.detach().to(device=self.stats.device, dtype=torch.float64), self.stats.sum
             err = err - 2 * b @ (self.w @ s - w_new @ s[self.kept]) + self.stats.n * b @ b
         return float(err.clamp_min(0))
 
-    def result(self, new_weight: Tensor, bias: Tensor | None = None, /, **info: float | str) -> Compensation:
+    def rotated_error(self, new_weight: Tensor) -> float:
+        """‖Y − Q Z‖_F² for W̃_K = Q W_K with Q orthogonal: ‖QZ‖ = ‖Z‖, so it is ``pruned_error`` + 2⟨W_K − W̃_K, Y X_Kᵀ⟩.
+
+        (‖Y‖² and ‖Z‖² cancel between the two objectives; Q's orthogonality is checked to c·n·eps.)
+        """
+        w_new = new_weight.detach().to(device=self.stats.device, dtype=torch.float64)
+        return float((self.pruned_error + 2 * (self.yxk * (self.wk - w_new)).sum()).clamp_min(0))
+
+    def result(self, new_weight: Tensor, bias: Tensor | None = None, /, *, after: Callable[[], float] | None = None,
+               **info: float | str) -> Compensation:
         """Cast back to the module's dtype/device, reject non-finite values, record the objective before/after.
 
-        ``new_weight`` and ``bias`` are positional, so that any name can be a key of ``info``."""
+        The objective needs G; ``after``, when the compensator knows it more cheaply, computes the objective
+        of ``new_weight``. ``new_weight`` and ``bias`` are positional, so that any other name can be a key of ``info``.
+        """
         if not torch.isfinite(new_weight).all() or (bias is not None and not torch.isfinite(bias).all()):
             raise FloatingPointError("compensation produced NaN or infinite weights")
 
@@ -103,7 +166,7 @@ class Problem:
         out = Compensation(cast(new_weight), cast(bias) if bias is not None else None, dict(info))
         if self.stats.gram is not None:
             out.info["objective_before"] = self.error(self.wk)
-            out.info["objective_after"] = self.error(new_weight, bias)
+            out.info["objective_after"] = self.error(new_weight, bias) if after is None else after()
         return out
 
 
@@ -139,6 +202,8 @@ def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, 
     """Ridge least squares W* = (Y X_Kᵀ + λ W_K)(X_K X_Kᵀ + λ I)⁻¹ (paper eq. astar), by Cholesky.
 
     Minimises ‖Y − W* X_K‖_F² + λ‖W* − W_K‖_F² (eq. err_A); G is a sum over tokens, so λ is the paper's.
+    In float64 the objective's quadratic term is read off the normal equations, W* G_KK = B − λW* with
+    B = Y X_Kᵀ + λW_K: tr(W* G_KK W*ᵀ) = ⟨B − λW*, W*⟩ (d_out·k flops instead of 2·d_out·k²).
     """
     if lam < 0:
         raise ValueError(f"ridge lam={lam} must be >= 0")
@@ -149,8 +214,13 @@ def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, 
     pivots = factor.diagonal().square()
     _require_definite(bool(fail) or not torch.isfinite(pivots).all(), pivots, lam)
     # W* A = B with A symmetric  <=>  A W*ᵀ = Bᵀ.
-    new_weight = torch.cholesky_solve((problem.yxk + lam * problem.wk).to(compute).T, factor).T
-    return problem.result(new_weight, **{"lambda": lam})
+    rhs = problem.yxk + lam * problem.wk  # B
+    new_weight = torch.cholesky_solve(rhs.to(compute).T, factor).T
+    after = None
+    if compute == torch.float64:
+        def after() -> float:
+            return problem.error(new_weight, quadratic=((rhs - lam * new_weight) * new_weight).sum())
+    return problem.result(new_weight, after=after, **{"lambda": lam})
 
 
 def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
@@ -173,18 +243,20 @@ def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Ten
 
 
 def rotation(problem: Problem, dtype: torch.dtype, solver: str) -> Rotation:
-    """Orthogonal Procrustes Q* = argmax_{QᵀQ=I} tr(QᵀM), M = Y Zᵀ = W G[:,K] W_Kᵀ (paper eq. procrustes_sol).
+    """Orthogonal Procrustes Q* = argmax_{QᵀQ=I} tr(QᵀM), M = Y Zᵀ = Y X_Kᵀ W_Kᵀ (paper eq. procrustes_sol).
 
-    M is formed in the compute dtype from W G[:,K] and W_K cast to it (as the official code forms Y Aᵀ in
-    float32); ``rcpu_bench.compensation.rotation.polar`` documents the solvers and the choice of Q when M is
-    rank-deficient.
+    M is formed from Y X_Kᵀ (C[:,K] or W G[:,K]) and W_K: in float32 for ``dtype='float32'`` (as the official
+    code forms Y Aᵀ), else summed in float64 from the statistics' products (``blocked_product``: float32
+    blocks for the mixed statistics of a float32 module); ``rcpu_bench.compensation.rotation.polar`` documents
+    the solvers and the choice of Q when M is rank-deficient.
     Q may be a reflection (det −1), as in the paper. Only ``solver='official'`` takes ``dtype='float32'``
     alone: it reproduces the official float32 numerics.
     """
     if solver == "official" and dtype != torch.float32:
         raise ValueError(f"solver='official' computes in float32 as the official code; got dtype={dtype}: "
                          "pass dtype='float32'")
-    m = problem.yxk.to(dtype) @ problem.wk.to(dtype).T
+    m = problem.yxk.to(dtype) @ problem.wk.to(dtype).T if dtype != torch.float64 else \
+        blocked_product(problem.yxk, problem.wk.T, problem.product_dtype)
     result = polar(m, solver)
     result.info["compute_dtype"] = str(dtype).removeprefix("torch.")
     return result
@@ -195,7 +267,10 @@ def procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Ten
     """RCPU rotation: W̃_K = Q* W_K with Q* = argmin_{QᵀQ=I} ‖Y − Q Z‖_F (paper eqs. procrustes_obj, wk_update)."""
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
     rot = rotation(problem, compute, solver)
-    return problem.result(rot.q @ problem.wk.to(compute), **rot.info)
+    new_weight = rot.q @ problem.wk.to(compute)
+    checked = compute == torch.float64 and "orthogonality_unchecked" not in rot.info
+    return problem.result(new_weight, after=(lambda: problem.rotated_error(new_weight)) if checked else None,
+                          **rot.info)
 
 
 def scaled_procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,

@@ -5,9 +5,12 @@ A compensator returns W̃ (d_out × |K|) and possibly a bias b. With G = X Xᵀ 
 tokens of a window set, its reconstruction error on that set follows from the statistics alone
 (``compensators.Problem.error``)::
 
-    ‖Y − W̃ X_K − b1ᵀ‖_F² = tr(W G Wᵀ) − 2 tr(W̃ G[K,:] Wᵀ) + tr(W̃ G_KK W̃ᵀ) − 2 bᵀ(W s − W̃ s_K) + N‖b‖²
+    ‖Y − W̃ X_K − b1ᵀ‖_F² = tr(W_D G_DD W_Dᵀ) − 2⟨Δ, W_D G_DK⟩ + tr(Δ G_KK Δᵀ) − 2 bᵀ(W s − W̃ s_K) + N‖b‖²
 
-and the *relative* error divides it by ‖Y‖_F² = tr(W G Wᵀ). With the calibration G this is the in-sample
+with Δ = W̃ − W_K (no cancellation against ‖Y‖²), and the *relative* error divides it by ‖Y‖_F², streamed
+from the module's outputs in the statistics pass (``--gram-precision mixed``; tr(W G Wᵀ) for statistics
+without outputs). Both sets' statistics hold G (the pipeline's need "gram"; C too where the flop model
+finds it cheaper, ``statistics/flops.py``). With the calibration G this is the in-sample
 error the compensator was fitted on; with the G of held-out windows (``data.holdout_windows``: disjoint
 from every calibration window) it is the out-of-sample error. Held-out inputs are defined exactly as the
 calibration ones: layer l sees the outputs of the already pruned and compensated layers 0…l−1 (sequential

@@ -136,8 +136,9 @@ class PruneConfig:
     batch_size: int = option("count", 8, "calibration sequences per forward pass (does not change the result)",
                              cli="--calib-batch-size")
     gram_precision: GramPrecision = option(
-        "choice", "mixed", "G = Σ x xᵀ from float32 block products summed into float64 (mixed: about 3-4x faster "
-        "on CPU, relative error ~1e-7), or every product in float64", hashed="when-set")
+        "choice", "mixed", "G = Σ x xᵀ and C = Σ y xᵀ from float32 block products summed into float64, ‖Y‖² from "
+        "the module outputs (mixed: about 3-4x faster on CPU, relative error ~1e-7), or every product in float64 "
+        "from G alone (the reference)", hashed="when-set")
     model_method: str | None = option("name", None, "a registered whole-model method (e.g. slicegpt) instead of "
                                       "scorer × compensator", hashed="when-set", recipe=True)
     model_method_params: dict[str, Any] = option("params", {}, "the whole-model method's parameters, e.g. "

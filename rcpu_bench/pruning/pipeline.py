@@ -40,6 +40,7 @@ from rcpu_bench.selection.select import (
     select_within_groups,
 )
 from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
+from rcpu_bench.statistics.flops import cheapest_statistics, expected_kept
 
 
 class Timer:
@@ -116,12 +117,21 @@ def post_norm_notes(view: LayerView, module: str, info: dict[str, Any]) -> dict[
     return {"post_norm": True, **({"scale_void": True} if "scale" in info else {})}
 
 
-def _gram_modules(modules: list[str], config: PruneConfig, methods: Resolved) -> list[str]:
-    """Modules whose scorer or compensator needs G (every pruned module for the held-out diagnostics); the others
-    collect only the cheaper moments."""
-    if config.holdout:
-        return modules
-    return [m for m in modules if methods.needs_gram(m in config.compensate)]
+def _statistics_plan(view: LayerView, needs: dict[str, str], inputs: list[LayerInput], config: PruneConfig
+                     ) -> dict[str, frozenset[str]]:
+    """Per module, the cheapest statistics sufficient for its need over these inputs' tokens (statistics/flops.py)."""
+    tokens = sum(x.hidden.shape[:-1].numel() for x in inputs)
+    plan = {}
+    for module, need in needs.items():
+        d_out, d_in = view.projection(module).weight.shape
+        plan[module] = cheapest_statistics(need, tokens, d_out, d_in, expected_kept(d_in, config.ratio),
+                                           config.gram_precision)
+    return plan
+
+
+def _needs(modules: list[str], config: PruneConfig, methods: Resolved) -> dict[str, str]:
+    """What each module's scorer and compensator read; G for every pruned module with the held-out diagnostics."""
+    return {m: "gram" if config.holdout else methods.needs(m in config.compensate) for m in modules}
 
 
 @contextmanager
@@ -136,11 +146,13 @@ def _on_device(layer: nn.Module, device: torch.device, offload: bool):
             layer.to("cpu")
 
 
-def _collect(view: LayerView, modules: list[str], inputs: list[LayerInput], gram_modules: list[str],
+def _collect(view: LayerView, inputs: list[LayerInput], plan: dict[str, frozenset[str]],
              gram_precision: GramPrecision = "mixed") -> tuple[dict[str, ActivationStats], list[Tensor]]:
-    """One pass of the layer over the calibration inputs, streaming the chosen modules' statistics."""
-    projections = {m: view.projection(m) for m in modules}
-    with collect_input_stats(projections, with_gram=gram_modules, gram_precision=gram_precision) as stats:
+    """One pass of the layer over the calibration inputs, streaming each planned module's statistics."""
+    projections = {m: view.projection(m) for m in plan}
+    with collect_input_stats(projections, with_gram=[m for m, kinds in plan.items() if "gram" in kinds],
+                             with_cross=[m for m, kinds in plan.items() if "cross" in kinds],
+                             gram_precision=gram_precision) as stats:
         outputs = run_layer(view.layer, inputs)
     return stats, outputs
 
@@ -148,13 +160,14 @@ def _collect(view: LayerView, modules: list[str], inputs: list[LayerInput], gram
 class HeldOut:
     """Held-out windows' layer inputs, advanced through the layers like the calibration inputs (diagnostics.py)."""
 
-    def __init__(self, inputs: list[LayerInput], modules: list[str], gram_precision: GramPrecision):
-        self.inputs, self.modules, self.gram_precision = inputs, modules, gram_precision
+    def __init__(self, inputs: list[LayerInput], modules: list[str], config: PruneConfig):
+        self.inputs, self.modules, self.config = inputs, modules, config
 
     def dense_stats(self, view: LayerView, timer: Timer) -> dict[str, ActivationStats]:
-        """G (and moments) of each module's held-out inputs from one pass of the dense layer."""
+        """G (and moments, ‖Y‖², C if cheaper than W G[:,K]) of each module's held-out inputs from one dense pass."""
         with timer("holdout"):
-            stats, self.dense_outputs = _collect(view, self.modules, self.inputs, self.modules, self.gram_precision)
+            plan = _statistics_plan(view, dict.fromkeys(self.modules, "gram"), self.inputs, self.config)
+            stats, self.dense_outputs = _collect(view, self.inputs, plan, self.config.gram_precision)
         return stats
 
     def advance(self, layer: nn.Module, statistics: str, timer: Timer) -> None:
@@ -271,7 +284,7 @@ def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig,
     if not rows:
         return None
     modules = [m for m in MODULES if m in config.prune]
-    return HeldOut(_capture(model, holdout_ids, config, device), modules, config.gram_precision)
+    return HeldOut(_capture(model, holdout_ids, config, device), modules, config)
 
 
 def _prune_layer(view: LayerView, inputs: list[LayerInput], config: PruneConfig, methods: Resolved, timer: Timer,
@@ -279,18 +292,19 @@ def _prune_layer(view: LayerView, inputs: list[LayerInput], config: PruneConfig,
                  index: int) -> tuple[dict[str, Any], list[Tensor]]:
     """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
     modules = [m for m in MODULES if m in config.prune]
-    gram = _gram_modules(modules, config, methods)
+    plan = _statistics_plan(view, _needs(modules, config, methods), inputs, config)
     with timer("statistics"):
-        stats, dense_outputs = _collect(view, modules, inputs, gram, config.gram_precision)
+        stats, dense_outputs = _collect(view, inputs, plan, config.gram_precision)
     report: dict[str, Any] = {}
     for module in modules:
         if module == "mlp" and config.recollect_mlp and "attention" in modules:
             with timer("statistics"):
-                stats["mlp"] = _collect(view, ["mlp"], inputs, gram, config.gram_precision)[0]["mlp"]
+                stats["mlp"] = _collect(view, inputs, {"mlp": plan["mlp"]}, config.gram_precision)[0]["mlp"]
         _check_statistics(stats[module], index, module)
         units = selections[module] if selections else None
         report[module] = prune_module(view, module, stats[module], config, methods, timer, units,
                                       held_out[module] if held_out else None)
+        report[module]["statistics"] = "+".join(sorted(plan[module])) or "moments"
     return report, dense_outputs
 
 
@@ -337,7 +351,7 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
         view = layer_view(layer)
         with _on_device(layer, device, config.offload):
             check_parameters(layer, f"layer {index} before pruning")
-            stats, outputs = _collect(view, modules, inputs, gram_modules=[])
+            stats, outputs = _collect(view, inputs, dict.fromkeys(modules, frozenset()), config.gram_precision)
             for module in modules:
                 _check_statistics(stats[module], index, module)
                 scores = methods.scorer(view.projection(module).weight, stats[module], **config.scorer_params)

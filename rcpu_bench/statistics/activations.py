@@ -1,8 +1,15 @@
-"""Streaming second-order statistics of a linear module's inputs.
+"""Streaming second-order statistics of a linear module's inputs (and outputs).
 
-For inputs x ∈ R^{d_in} over N calibration tokens we keep, summed in float64,
+For inputs x ∈ R^{d_in} and bias-free outputs y = W x ∈ R^{d_out} over N calibration tokens we keep,
+summed in float64,
 
-    N,  Σx,  Σ|x|,  Σx²,  and (when a compensator needs it)  G = Σ x xᵀ.
+    N,  Σx,  Σ|x|,  Σx²,  ‖Y‖² = Σ‖y‖²  (the moments, always),
+    G = Σ x xᵀ  and/or  C = Σ y xᵀ      (when a compensator needs them, ``statistics/flops.py`` chooses).
+
+y is the module's own output in the forward hook, minus its bias: C = W G up to the rounding of y in the
+module's dtype (exactly for a float64 module). ‖Y‖² and C are collected in ``"mixed"`` precision only
+(below): ``"float64"`` is the pure float64 reference path and collects G alone, from which every
+quantity follows (``compensation/compensators.py``).
 
 The moments are always computed in float64. G, the costly part (2·N·d_in² flops), has two precisions:
 
@@ -13,6 +20,8 @@ The moments are always computed in float64. G, the costly part (2·N·d_in² flo
   (n_c + 1)·u·Σ_n |x_in||x_jn| with u = 2⁻²⁴ and n_c ≤ ``CHUNK_TOKENS`` the chunk length (float32
   rounding of a length-n_c dot product and of its result); measured errors are far smaller (see
   ``benchmarks/README.md``). On CUDA, keep ``torch.backends.cuda.matmul.allow_tf32`` off (the default).
+  C is accumulated the same way, block row by block row of ``GRAM_BLOCK`` output rows, with the same
+  per-entry bound (|y_i||x_j| in place of |x_i||x_j|).
 * ``"float64"``: every product in float64, the full matrix, as a reference.
 
 Because a linear module's dense output is Y = W X exactly, every quantity the paper's
@@ -66,9 +75,19 @@ def mirror_upper(gram: Tensor) -> None:
         diagonal.copy_(diagonal.triu() + diagonal.triu(1).T)
 
 
+def add_cross(cross: Tensor, outputs: Tensor, rows: Tensor) -> None:
+    """C[i:i+b, :] += Y[:, i:i+b]ᵀ X per block of ``GRAM_BLOCK`` output rows, in the dtype of the chunks.
+
+    ``outputs`` (n_c × d_out) and ``rows`` (n_c × d_in) are one chunk of tokens; the block products are
+    added into ``cross`` (float64) without a float64 copy of the product.
+    """
+    for start in range(0, outputs.shape[1], GRAM_BLOCK):
+        cross[start : start + GRAM_BLOCK].add_(outputs[:, start : start + GRAM_BLOCK].T @ rows)
+
+
 @dataclass
 class ActivationStats:
-    """Running sums over calibration tokens of a module input of width ``d_in``."""
+    """Running sums over calibration tokens of a module input of width ``d_in`` (and of its output)."""
 
     n: int
     sum: Tensor
@@ -77,24 +96,38 @@ class ActivationStats:
     gram_sums: Tensor | None  # G's accumulator; in "mixed" precision its lower triangle is stale until read
     gram_precision: GramPrecision = "mixed"
     lower_stale: bool = False
+    cross: Tensor | None = None  # C = Σ y xᵀ (d_out × d_in), y the bias-free output
+    out_sq_sum: Tensor | None = None  # ‖Y‖² = Σ‖y‖² (a float64 scalar), when outputs are seen
+    inputs_dtype: torch.dtype = torch.float32  # the widest input dtype seen (and float32 at least)
 
     @classmethod
     def empty(cls, d_in: int, *, with_gram: bool = True, device: torch.device | str | None = None,
-              gram_precision: GramPrecision = "mixed") -> ActivationStats:
+              gram_precision: GramPrecision = "mixed", d_out: int | None = None,
+              with_cross: bool = False) -> ActivationStats:
+        """Zero sums; ``d_out`` (mixed precision only) also keeps ‖Y‖², and ``with_cross`` C, from the outputs."""
         check_gram_precision(gram_precision)
+        if d_out is not None and gram_precision == "float64":
+            raise ValueError("output statistics (‖Y‖², C = Σ y xᵀ) are collected in gram_precision='mixed' only; "
+                             "'float64' is the reference path from G alone: pass d_out=None")
+        if with_cross and d_out is None:
+            raise ValueError("with_cross=True needs the output width d_out")
 
         def zeros(*shape: int) -> Tensor:
-            return torch.zeros(*shape, dtype=torch.float64, device=device)
+            return torch.zeros(shape, dtype=torch.float64, device=device)
 
         return cls(0, zeros(d_in), zeros(d_in), zeros(d_in), zeros(d_in, d_in) if with_gram else None,
-                   gram_precision)
+                   gram_precision, cross=zeros(d_out, d_in) if with_cross and d_out else None,
+                   out_sq_sum=zeros() if d_out is not None else None)
 
     @classmethod
-    def from_activations(cls, x: Tensor, *, with_gram: bool = True,
-                         gram_precision: GramPrecision = "mixed") -> ActivationStats:
-        """Statistics of a stored activation matrix ``x`` of shape (N, d_in) (or (..., d_in))."""
-        stats = cls.empty(x.shape[-1], with_gram=with_gram, device=x.device, gram_precision=gram_precision)
-        stats.update(x)
+    def from_activations(cls, x: Tensor, *, with_gram: bool = True, gram_precision: GramPrecision = "mixed",
+                         outputs: Tensor | None = None, with_cross: bool = False) -> ActivationStats:
+        """Statistics of a stored activation matrix ``x`` of shape (N, d_in) (or (..., d_in)), and of the
+        module's bias-free ``outputs`` (N, d_out) when given."""
+        d_out = None if outputs is None else outputs.shape[-1]
+        stats = cls.empty(x.shape[-1], with_gram=with_gram, device=x.device, gram_precision=gram_precision,
+                          d_out=d_out, with_cross=with_cross)
+        stats.update(x, outputs)
         return stats
 
     @property
@@ -113,18 +146,35 @@ class ActivationStats:
     def device(self) -> torch.device:
         return self.sum.device
 
-    def update(self, x: Tensor) -> None:
-        """Fold a batch of inputs (..., d_in) into the sums, in float64, chunk by chunk."""
+    @property
+    def product_dtype(self) -> torch.dtype:
+        """The dtype of the products derived from these sums (``compensation.compensators.blocked_product``):
+        float64 for the float64 reference path or float64 inputs, else float32 (the "mixed" products)."""
+        return torch.float64 if self.gram_precision == "float64" else self.inputs_dtype
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """Which of the costly statistics were collected: a subset of {"gram", "cross"}."""
+        return frozenset(name for name, t in (("gram", self.gram_sums), ("cross", self.cross)) if t is not None)
+
+    def update(self, x: Tensor, outputs: Tensor | None = None) -> None:
+        """Fold a batch of inputs (..., d_in), and the module's bias-free outputs (..., d_out), into the sums."""
         if x.shape[-1] != self.d_in:
             raise ValueError(f"input width {x.shape[-1]} does not match the statistics' d_in={self.d_in}")
+        if (outputs is None) != (self.out_sq_sum is None):
+            raise ValueError("outputs must be given exactly when the statistics keep output sums (d_out set)")
         rows = x.detach().reshape(-1, self.d_in).to(self.device)
+        outs = None if outputs is None else outputs.detach().reshape(rows.shape[0], -1).to(self.device)
         product_dtype = torch.promote_types(rows.dtype, torch.float32)
+        self.inputs_dtype = torch.promote_types(self.inputs_dtype, product_dtype)
         for start in range(0, rows.shape[0], CHUNK_TOKENS):
             chunk = rows[start : start + CHUNK_TOKENS].to(torch.float64)
             self.n += chunk.shape[0]
             self.sum += chunk.sum(0)
             self.abs_sum += chunk.abs().sum(0)
             self.sq_sum += chunk.square().sum(0)
+            if outs is not None:
+                self._update_outputs(outs[start : start + CHUNK_TOKENS], rows[start : start + CHUNK_TOKENS])
             if self.gram_sums is None:
                 continue
             if self.gram_precision == "float64":
@@ -133,12 +183,25 @@ class ActivationStats:
                 add_gram_upper(self.gram_sums, rows[start : start + CHUNK_TOKENS].to(product_dtype))
                 self.lower_stale = True
 
+    def _update_outputs(self, outs: Tensor, rows: Tensor) -> None:
+        """‖Y‖² (float64 squares) and C (mixed: block products in float32 or the chunk's wider dtype)."""
+        assert self.out_sq_sum is not None
+        self.out_sq_sum += outs.to(torch.float64).square().sum()
+        if self.cross is not None:
+            dtype = torch.promote_types(torch.promote_types(rows.dtype, outs.dtype), torch.float32)
+            add_cross(self.cross, outs.to(dtype), rows.to(dtype))
+
     def merge(self, other: ActivationStats) -> None:
         """Add another accumulator's sums into this one (e.g. from another device or worker)."""
-        if other.d_in != self.d_in or (other.gram_sums is None) != (self.gram_sums is None):
+        if (other.d_in != self.d_in or other.kinds != self.kinds
+                or (other.out_sq_sum is None) != (self.out_sq_sum is None)
+                or (other.cross is not None and other.cross.shape != self.cross.shape)):
             raise ValueError("cannot merge statistics of different widths or kinds")
         self.n += other.n
-        for name in ("sum", "abs_sum", "sq_sum") + (("gram",) if self.gram_sums is not None else ()):
+        self.inputs_dtype = torch.promote_types(self.inputs_dtype, other.inputs_dtype)
+        names = ("sum", "abs_sum", "sq_sum") + tuple(
+            name for name in ("gram", "cross", "out_sq_sum") if getattr(self, name) is not None)
+        for name in names:
             getattr(self, name).add_(getattr(other, name).to(self.device))
 
     def _require_tokens(self) -> None:
@@ -182,23 +245,41 @@ class ActivationStats:
         return self.gram
 
 
+def _names(modules: Mapping[str, nn.Linear], which: Iterable[str] | bool) -> set[str]:
+    return set(modules) if which is True else set() if which is False else set(which)
+
+
+def bias_free(module: nn.Linear, output: Tensor) -> Tensor:
+    """y = W x: the module's output minus its bias (if any)."""
+    return output if module.bias is None else output - module.bias
+
+
 @contextmanager
 def collect_input_stats(modules: Mapping[str, nn.Linear], *, with_gram: Iterable[str] | bool = True,
+                        with_cross: Iterable[str] | bool = False,
                         gram_precision: GramPrecision = "mixed") -> Iterator[dict[str, ActivationStats]]:
-    """Stream input statistics of each named module while the block runs.
+    """Stream input (and output) statistics of each named module while the block runs.
 
-    Yields a dict name -> ActivationStats, filled by forward pre-hooks; ``with_gram`` says for which
-    modules the Gram matrix is needed (True/False for all, or a collection of names), ``gram_precision``
-    how it is accumulated (module docstring).
+    Yields a dict name -> ActivationStats, filled by forward hooks; ``with_gram`` and ``with_cross`` say
+    for which modules G and C are needed (True/False for all, or a collection of names),
+    ``gram_precision`` how they are accumulated (module docstring). In "mixed" precision every module also
+    keeps ‖Y‖² of its bias-free output.
     """
-    wanted = set(modules) if with_gram is True else set() if with_gram is False else set(with_gram)
+    gram, cross = _names(modules, with_gram), _names(modules, with_cross)
     stats: dict[str, ActivationStats] = {}
     handles = []
     for name, module in modules.items():
         weight = module.weight
-        stats[name] = ActivationStats.empty(weight.shape[1], with_gram=name in wanted, device=weight.device,
-                                            gram_precision=gram_precision)
-        handles.append(module.register_forward_pre_hook(lambda _m, args, s=stats[name]: s.update(args[0])))
+        outputs = gram_precision == "mixed"
+        stats[name] = ActivationStats.empty(weight.shape[1], with_gram=name in gram, device=weight.device,
+                                            gram_precision=gram_precision,
+                                            d_out=weight.shape[0] if outputs else None, with_cross=name in cross)
+
+        def hook(module: nn.Linear, args: tuple[Tensor, ...], output: Tensor, s: ActivationStats = stats[name],
+                 outputs: bool = outputs) -> None:
+            s.update(args[0], bias_free(module, output) if outputs else None)
+
+        handles.append(module.register_forward_hook(hook))
     try:
         yield stats
     finally:
