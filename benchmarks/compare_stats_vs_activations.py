@@ -10,7 +10,8 @@ windows, batches of 8 windows), on the CPU or a CUDA device:
   ``rcpu_bench.pruning.pipeline.prune_module``: the registry's ``variance`` scorer
   (``activation='mean-abs'``, the official statistic), floor selection, the registry's compensator,
   surgery. The set collected and the rotation solver run are recorded per module.
-* **official** (docs/methods.md §7, the official code replayed independently): forward hooks store X and Y of both modules
+* **official** (docs/methods.md §7, the official code replayed independently): forward hooks store X and Y of
+  both modules
   in float32 (preallocated: a lower bound of the reference's concatenated copies, on the same device)
   and a running Σ|x|; score γ_j = ‖W_j‖₂·mean|x_j|·Var(x_j) (float32, population variance), head
   scores summed, threshold sorted[⌊ρn⌋] with score ≥ threshold kept; procrustes: M = Y Zᵀ with

@@ -91,9 +91,9 @@ class Problem:
 
     @property
     def product_dtype(self) -> torch.dtype:
-        """Products of the statistics in float32 ("mixed", float32 modules) or float64 (reference path, float64
-        modules): ``blocked_product``."""
-        return torch.promote_types(self.stats.product_dtype, self.weight.dtype)
+        """Products of the statistics (W G[:,K], M): float64. Float32 blocks (``blocked_product``) were measured to
+        move a ratio-0 procrustes model's logits by 1.5e-5, above the 1e-5 the family tests allow."""
+        return torch.float64
 
     @cached_property
     def gkk(self) -> Tensor:
