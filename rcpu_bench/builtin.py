@@ -2,7 +2,8 @@
 
 from rcpu_bench.compensation import compensators
 from rcpu_bench.hookspecs import Register, hookimpl
-from rcpu_bench.selection import scorers
+from rcpu_bench.pruning import allocation
+from rcpu_bench.selection import obs, scorers
 
 
 @hookimpl
@@ -11,6 +12,19 @@ def register_scorers(register: Register) -> None:
     register("wanda-sp", scorers.wanda_sp)
     register("variance", scorers.variance)
     register("flap-wifv", scorers.flap_wifv)
+
+
+@hookimpl
+def register_selectors(register: Register) -> None:
+    register("obs", obs.obs, needs="gram", description="Greedy OBS removal by ε_S = tr(W_S [(H⁻¹)_SS]⁻¹ W_Sᵀ), "
+             "H = G + λI, exact inverse downdate; batch > 1: SlimGPT's batched greedy (ZipLM, SlimGPT, Týr-the-Pruner)")
+
+
+@hookimpl
+def register_allocations(register: Register) -> None:
+    register("uniform", allocation.uniform)
+    register("log-increase", allocation.log_increase, description="SlimGPT's incremental ratio "
+             "ρ_l = ρ + s·(ln(1+l)/ln L − mean), mean ρ (SlimGPT, Ling et al. 2024)")
 
 
 @hookimpl

@@ -25,13 +25,13 @@ from rcpu_bench.matrix.experiment import (
 from rcpu_bench.matrix.records import append_record
 from rcpu_bench.model.loading import add_model_options
 from rcpu_bench.pruning import options
-from rcpu_bench.registry import default_registry
+from rcpu_bench.registry import KINDS, default_registry
 from rcpu_bench.tables import plots, tables
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     registry = default_registry()
-    for kind in ("scorer", "compensator", "model-method"):
+    for kind in KINDS:
         rows = [(m.name, m.provider, m.needs, ", ".join(f"{k}={v!r}" for k, v in m.params.items()), m.description)
                 for m in registry.methods(kind)]
         print(f"{kind}s:")
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="rcpu-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    plugins_parser = commands.add_parser("plugins", help="list registered scorers, compensators and model methods")
+    plugins_parser = commands.add_parser("plugins", help="list registered scorers, selectors, compensators, model methods and allocations")
     plugins_parser.set_defaults(func=cmd_plugins)
     _add_prune_parser(commands)
     for module in (runner, tables, plots, eval_command, generation, speed):

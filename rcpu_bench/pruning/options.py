@@ -24,6 +24,7 @@ from rcpu_bench.statistics.activations import GramPrecision
 if TYPE_CHECKING:
     from rcpu_bench.registry import Registry
 
+AL_AM, UNIFORM = "al-am", "uniform"  # the allocations the pipeline computes itself (rcpu_bench.pruning.allocation)
 MODULES = ("attention", "mlp")  # the prunable modules of a decoder layer: heads (o_proj) and channels (down_proj)
 
 Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count", "windows"]
@@ -102,7 +103,8 @@ def option(kind: Kind, default: Any, help: str, *, hashed: Literal["always", "wh
 class PruneConfig:
     """Everything that decides how a model is pruned; recorded verbatim with every result."""
 
-    scorer: str = option("name", "variance", "a registered scorer: which heads / channels to prune", recipe=True)
+    scorer: str = option("name", "variance", "a registered scorer or selector (e.g. obs): which heads / channels to "
+                         "prune", recipe=True)
     compensator: str = option("name", "procrustes", "a registered compensator: how the kept weights absorb the "
                               "pruning error", recipe=True)
     ratio: float = option("ratio", 0.2, "structural ratio ρ ∈ [0, 1): ⌊ρ·units⌋ heads (or key/value groups) "
@@ -124,7 +126,8 @@ class PruneConfig:
         "choice", "sequential", "statistics from the already pruned model (RCPU), or from the dense model (FLAP)",
         recipe=True)
     structure: Literal["uniform", "al-am"] = option(
-        "choice", "uniform", "uniform ratio per layer, or FLAP's global adaptive structure", recipe=True)
+        "choice", "uniform", "uniform ratio per layer, or FLAP's global adaptive structure (= allocation al-am)",
+        recipe=True)
     recollect_mlp: bool = option("flag", False, "re-collect down_proj statistics after attention is pruned (not "
                                  "RCPU's default)", recipe=True)
     offload: bool = option("flag", False, "while pruning, keep the model in CPU memory and move each decoder layer "
@@ -140,15 +143,33 @@ class PruneConfig:
                                       "scorer × compensator", hashed="when-set", recipe=True)
     model_method_params: dict[str, Any] = option("params", {}, "the whole-model method's parameters, e.g. "
                                                  "budget='params'", hashed="when-set", recipe=True)
+    allocation: str = option("name", "uniform", "units pruned per layer: uniform, al-am (stored as structure=al-am), "
+                             "log-increase (SlimGPT) or a registered allocation; the mean layer ratio is ratio",
+                             hashed="when-set", recipe=True)
+    allocation_params: dict[str, Any] = option("params", {}, "the allocation's parameters, e.g. spread=0.5",
+                                               hashed="when-set", recipe=True)
     holdout: int = option("windows", 0, "held-out calibration windows, disjoint from the calibration ones: record "
                           "each module's calibration and held-out reconstruction error (record['generalisation'])",
                           hashed="when-set")
+
+    def __post_init__(self) -> None:
+        """``allocation='al-am'`` is FLAP's adaptive structure, the ``structure`` option that came first: store it
+        as ``structure='al-am'`` so that both spellings give one cell id (that of the cells already stored)."""
+        if self.allocation == AL_AM:
+            if self.structure not in ("uniform", AL_AM):
+                raise ValueError(f"allocation='al-am' with structure={self.structure!r}; allowed: structure "
+                                 "'uniform' or 'al-am'")
+            self.structure, self.allocation = AL_AM, UNIFORM
 
     def validate(self, registry: Registry) -> None:
         """Raise a clear error for any bad value before work starts: each option's own check, then the registry's."""
         for option in OPTIONS:
             option.check(getattr(self, option.name))
-        registry.scorer(self.scorer).validate(self.scorer_params)
+        registry.selection(self.scorer).validate(self.scorer_params)
+        if self.structure == AL_AM and (self.allocation != UNIFORM or self.allocation_params):
+            raise ValueError(f"structure='al-am' is itself the allocation; got allocation={self.allocation!r} "
+                             f"with {self.allocation_params}; allowed: allocation 'uniform' or 'al-am', no parameters")
+        registry.allocation(self.allocation).validate(self.allocation_params)
         registry.compensator(self.compensator).validate(self.compensator_params)
         if self.model_method is not None:
             registry.get("model-method", self.model_method).validate(self.model_method_params)

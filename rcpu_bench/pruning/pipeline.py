@@ -6,8 +6,9 @@ For each decoder layer in turn:
   2. score and select heads (or key/value groups) and MLP channels;
   3. compensate o_proj, then down_proj, both from that one dense pass (the official code's order);
   4. physically shrink the layer and re-run it to produce the next layer's inputs.
-``statistics="one-shot"`` instead feeds every layer the dense model's activations (FLAP's protocol),
-and ``structure="al-am"`` chooses all selections up front with FLAP's global adaptive structure.
+``statistics="one-shot"`` instead feeds every layer the dense model's activations (FLAP's protocol).
+How many units each layer loses is the allocation (``pruning/allocation.py``): uniform, a registered per-layer
+profile (log-increase), or FLAP's global adaptive structure (``structure="al-am"``), chosen up front.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -28,10 +29,11 @@ from rcpu_bench.compensation.diagnostics import module_generalisation
 from rcpu_bench.model.adapter import decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
 from rcpu_bench.model.views import UnitMap
+from rcpu_bench.pruning.allocation import AL_AM, AL_AM_SCORER, al_am, layer_units
 from rcpu_bench.pruning.options import MODULES, PruneConfig
 from rcpu_bench.registry import Registry, Resolved, default_registry
 from rcpu_bench.selection.scorers import unit_scores
-from rcpu_bench.selection.select import Selection, select_by_score, select_within_groups
+from rcpu_bench.selection.select import Rounding, Selection, n_pruned, select_lowest, select_within_groups
 from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
 
 
@@ -54,25 +56,46 @@ class Timer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def select_units(mapping: UnitMap, scores: Tensor, config: PruneConfig) -> Selection:
-    """Units to keep and prune from per-column ``scores``: lowest unit scores pruned, within GQA groups if any."""
-    units = unit_scores(scores, mapping.unit_size, config.head_aggregation)
+def units_to_prune(mapping: UnitMap, n_units: int, ratio: float, rounding: Rounding) -> int:
+    """⌊ρ·n⌋ (or ⌈ρ·n⌉) of a module's n units; under GQA's "query" rule the same number in every group."""
     if mapping.group_size > 1:
-        return select_within_groups(units, mapping.group_size, config.ratio, config.rounding)
-    return select_by_score(units, config.ratio, config.rounding)
+        return n_units // mapping.group_size * n_pruned(mapping.group_size, ratio, rounding)
+    return n_pruned(n_units, ratio, rounding)
+
+
+def select_units(mapping: UnitMap, scores: Tensor, n_prune: int, how: str) -> Selection:
+    """The scorer's selection: the ``n_prune`` lowest unit scores pruned, split equally over GQA groups if any."""
+    units = unit_scores(scores, mapping.unit_size, how)  # type: ignore[arg-type]
+    if mapping.group_size > 1:
+        return select_within_groups(units, mapping.group_size, n_prune // (units.numel() // mapping.group_size))
+    return select_lowest(units, n_prune)
+
+
+def select(weight: Tensor, stats: ActivationStats, mapping: UnitMap, n_prune: int, config: PruneConfig,
+           methods: Resolved) -> Selection:
+    """Kept and pruned units of a module: the run's selector, or its scorer's lowest units (the common case)."""
+    selection = methods.selection
+    if selection.kind == "selector":
+        return selection(weight, stats, mapping, n_prune, **config.scorer_params)
+    return select_units(mapping, selection(weight, stats, **config.scorer_params), n_prune, config.head_aggregation)
 
 
 def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: PruneConfig, methods: Resolved,
                  timer: Timer, units: Selection | None = None,
-                 held_out: ActivationStats | None = None) -> dict[str, Any]:
-    """Score, select, compensate and shrink one module of one layer; returns its diagnostics."""
+                 held_out: ActivationStats | None = None, *, n_prune: int | None = None) -> dict[str, Any]:
+    """Select, compensate and shrink one module of one layer; returns its diagnostics.
+
+    ``units`` given: that selection; else ``n_prune`` units (default: the uniform count at ``config.ratio``)
+    chosen by the run's scorer or selector.
+    """
     view = layer_view(layer)
     proj = view.projection(module)
     mapping = view.units(module, config.gqa_rule)
     if units is None:
+        n_units = proj.weight.shape[1] // mapping.unit_size
+        count = units_to_prune(mapping, n_units, config.ratio, config.rounding) if n_prune is None else n_prune
         with timer("score"):
-            scores = methods.scorer(proj.weight, stats, **config.scorer_params)
-            units = select_units(mapping, scores, config)
+            units = select(proj.weight, stats, mapping, count, config, methods)
     columns = units.columns(mapping.unit_size)
     compensator = methods.compensator_for(module in config.compensate)
     params = config.compensator_params if module in config.compensate else {}
@@ -166,14 +189,15 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     """
     registry = registry or default_registry()
     config.validate(registry)
-    methods = registry.resolve(scorer=config.scorer, compensator=config.compensator, model_method=config.model_method)
+    methods = registry.resolve(scorer=config.scorer, compensator=config.compensator, model_method=config.model_method,
+                               allocation=config.allocation)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if config.model_method is not None:
         return _run_model_method(model, calib_ids, config, methods, device)
     layers = decoder_layers(model)
-    selections = global_selections(model, calib_ids, config, methods, device) if config.structure == "al-am" else None
+    plans = allocate(model, calib_ids, config, methods, registry, device)
     totals = Timer(device)
     with totals("capture"):
         capture = partial(_capture, model, calib_ids, config, device)
@@ -183,9 +207,8 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     for index, layer in enumerate(console.progress(layers, desc="pruning layers", unit="layer", enabled=progress)):
         timer = Timer(device)
         with _on_device(layer, device, config.offload):
-            selection = selections[index] if selections else None
             held_stats = held.dense_stats(layer, timer) if held else None
-            report, outputs = _prune_layer(layer, inputs, config, methods, timer, selection, held_stats)
+            report, outputs = _prune_layer(layer, inputs, config, methods, timer, plans[index], held_stats)
             if config.statistics == "sequential":
                 with timer("forward"):
                     outputs = run_layer(layer, inputs)
@@ -237,7 +260,7 @@ def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig,
 
 
 def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig, methods: Resolved, timer: Timer,
-                 selections: dict[str, Selection] | None, held_out: dict[str, ActivationStats] | None = None
+                 plan: dict[str, Selection | int], held_out: dict[str, ActivationStats] | None = None
                  ) -> tuple[dict[str, Any], list[Tensor]]:
     """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
     modules = [m for m in MODULES if m in config.prune]
@@ -249,77 +272,55 @@ def _prune_layer(layer: nn.Module, inputs: list[LayerInput], config: PruneConfig
         if module == "mlp" and config.recollect_mlp and "attention" in modules:
             with timer("statistics"):
                 stats["mlp"] = _collect(layer, ["mlp"], inputs, gram, config.gram_precision)[0]["mlp"]
-        units = selections[module] if selections else None
+        planned = plan[module]
+        units, count = (planned, None) if isinstance(planned, Selection) else (None, planned)
         report[module] = prune_module(layer, module, stats[module], config, methods, timer, units,
-                                      held_out[module] if held_out else None)
+                                      held_out[module] if held_out else None, n_prune=count)
     return report, dense_outputs
 
 
-# FLAP's adaptive structure (AL-AM) ------------------------------------------------------------------
+# Allocation: units pruned per layer and module ----------------------------------------------------------
 
-class Unit(NamedTuple):
-    score: float
-    cost: float
-    layer: int
-    module: str
-    index: int
+def allocate(model: nn.Module, calib_ids: Tensor, config: PruneConfig, methods: Resolved, registry: Registry,
+             device: torch.device) -> list[dict[str, Selection | int]]:
+    """Each layer's plan per module: a selection (AL-AM with a scorer: FLAP's global choice of units) or the number
+    of units its scorer or selector prunes (uniform, a registered profile, or AL-AM's counts with a selector)."""
+    layers = decoder_layers(model)
+    modules = [m for m in MODULES if m in config.prune]
+    if config.structure == AL_AM:
+        scorer = methods.selection if methods.selection.kind == "scorer" else registry.scorer(AL_AM_SCORER)
+        params = config.scorer_params if scorer is methods.selection else {}
+        selections = global_selections(model, calib_ids, config, scorer, params, device)
+        if scorer is methods.selection:
+            return selections  # type: ignore[return-value]
+        return [{m: len(chosen[m].pruned) for m in modules} for chosen in selections]
+    assert methods.allocation is not None  # prune_model resolved config.allocation
+    ratios = methods.allocation(len(layers), config.ratio, **config.allocation_params).tolist()
+    plans: list[dict[str, Selection | int]] = []
+    for layer, ratio in zip(layers, ratios, strict=True):
+        view = layer_view(layer)
+        plans.append({m: units_to_prune(view.units(m, config.gqa_rule), _n_units(view, m, config.gqa_rule), ratio,
+                                        config.rounding) for m in modules})
+    return plans
 
 
-def _layer_units(layer: nn.Module, index: int, module: str, scores: Tensor, gqa_rule: str) -> list[Unit]:
-    """AL-AM unit scores of one module: mean of standardized column scores (o_proj scores squared first)."""
-    view = layer_view(layer)
-    mapping = view.units(module, gqa_rule)
-    if mapping.group_size > 1:
-        raise ValueError("structure='al-am' prunes whole key/value groups; use gqa_rule='group'")
-    if module == "attention":
-        scores = scores.square()
-    cost = view.unit_cost(module)
-    units = unit_scores(scores, mapping.unit_size, "standardized-mean")
-    return [Unit(float(score), cost, index, module, u) for u, score in enumerate(units)]
+def _n_units(view: Any, module: str, gqa_rule: str) -> int:
+    return view.projection(module).weight.shape[1] // view.units(module, gqa_rule).unit_size
 
 
 @torch.no_grad()
-def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, methods: Resolved,
-                      device: torch.device) -> list[dict[str, Selection]]:
-    """FLAP AL-AM: standardized per-layer scores, units weighted by parameter cost, one global threshold.
-
-    Scores come from one dense pass (one-shot statistics, moments only). All units of all layers are
-    sorted by score and kept, best first, while the kept cost moves closer to (1 − ρ) of the total.
-    Unlike FLAP, every module keeps at least its best unit, so no layer loses all heads or channels.
-    """
+def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, scorer: Any,
+                      params: dict[str, Any], device: torch.device) -> list[dict[str, Selection]]:
+    """FLAP AL-AM (``allocation.al_am``) on the ``scorer``'s standardized unit scores from one dense pass (one-shot
+    statistics, moments only)."""
     modules = [m for m in MODULES if m in config.prune]
     inputs = _capture(model, calib_ids, config, device)
-    units: list[Unit] = []
+    units = []
     for index, layer in enumerate(decoder_layers(model)):
         with _on_device(layer, device, config.offload):
             stats, outputs = _collect(layer, modules, inputs, gram_modules=[])
             for module in modules:
-                scores = methods.scorer(layer_view(layer).projection(module).weight, stats[module],
-                                        **config.scorer_params)
-                units += _layer_units(layer, index, module, scores, config.gqa_rule)
+                scores = scorer(layer_view(layer).projection(module).weight, stats[module], **params)
+                units += layer_units(layer, index, module, scores, config.gqa_rule)
         inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
-    kept = _global_keep(units, config.ratio)
-    n_layers = len(decoder_layers(model))
-    return [{m: _selection([u for u in units if u.layer == i and u.module == m], kept) for m in modules}
-            for i in range(n_layers)]
-
-
-def _global_keep(units: list[Unit], ratio: float) -> set[Unit]:
-    """Best-first units whose cumulative cost is closest to (1 − ρ)·total, plus each module's best unit."""
-    ordered = sorted(units, key=lambda u: (-u.score, u.layer, u.module, u.index))
-    target = (1 - ratio) * sum(u.cost for u in units)
-    kept, cost = set(), 0.0
-    for unit in ordered:
-        if abs(cost + unit.cost - target) > abs(cost - target):
-            break
-        kept.add(unit)
-        cost += unit.cost
-    best: dict[tuple[int, str], Unit] = {}
-    for unit in ordered:
-        best.setdefault((unit.layer, unit.module), unit)
-    return kept | set(best.values())
-
-
-def _selection(module_units: list[Unit], kept: set[Unit]) -> Selection:
-    mask = torch.tensor([u in kept for u in sorted(module_units, key=lambda u: u.index)])
-    return Selection(mask.nonzero().flatten(), (~mask).nonzero().flatten())
+    return al_am(units, config.ratio, len(decoder_layers(model)), modules)
