@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="rcpu-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    plugins_parser = commands.add_parser("plugins", help="list registered scorers, selectors, compensators, model methods and allocations")
+    plugins_parser = commands.add_parser("plugins", help="list the registered methods of every kind")
     plugins_parser.set_defaults(func=cmd_plugins)
     _add_prune_parser(commands)
     for module in (runner, tables, plots, eval_command, generation, speed):

@@ -88,8 +88,8 @@ class LoadModel(Protocol):
 class Register(Protocol):
     """The ``register`` callable each hook receives, bound to the calling plugin."""
 
-    def __call__(self, name: str, fn: Scorer | Selector | Compensator | ModelMethod | Allocation, *, needs: Needs = "moments",
-                 description: str | None = None, save: SaveModel | None = None,
+    def __call__(self, name: str, fn: Scorer | Selector | Compensator | ModelMethod | Allocation, *,
+                 needs: Needs = "moments", description: str | None = None, save: SaveModel | None = None,
                  load: LoadModel | None = None) -> None: ...
 
 

@@ -73,7 +73,10 @@ def greedy_order(w: Tensor, hinv: Tensor, unit_size: int, n_prune: int, batch: i
 
 def obs(weight: Tensor, stats: ActivationStats, units: UnitMap, n_prune: int, /, *, percdamp: float = 0.01,
         batch: int = 1) -> Selection:
-    """Greedy OBS selection (ZipLM; SlimGPT's batched greedy with ``batch`` > 1): ε_S from H = G + λI, λ = percdamp·mean diag G."""
+    """Greedy OBS selection (ZipLM; SlimGPT's batched greedy with ``batch`` > 1).
+
+    ε_S from H = G + λI, λ = percdamp · mean diag G (module docstring); returns the kept and pruned units.
+    """
     if units.group_size > 1:
         raise ValueError(f"obs selects whole units jointly; got units in groups of {units.group_size} "
                          "(gqa_rule='query'); allowed: gqa_rule='group'")
