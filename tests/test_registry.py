@@ -327,7 +327,7 @@ def test_tables_per_kind_are_read_only_views_of_the_same_entries():
 def test_resolve_returns_the_entries_of_a_run():
     registry = registry_with(("toy", ToyPlugin()))
     run = registry.resolve(scorer="toy-score", compensator="toy-shrink")
-    assert run.scorer is registry.scorer("toy-score") and run.compensator is registry.compensator("toy-shrink")
+    assert run.selection is registry.scorer("toy-score") and run.compensator is registry.compensator("toy-shrink")
     assert run.compensator_for(True) is run.compensator
     assert run.compensator_for(False) is registry.compensator("none") and run.model_method is None
     assert run.needs_gram(True) and not run.needs_gram(False)  # toy-shrink needs G, "none" and toy-score do not

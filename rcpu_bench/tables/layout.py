@@ -43,7 +43,8 @@ ABLATION_LABELS = {
     BOTH_MODULES: f"{ROT} compensating both",
 }
 ROW_ORDER = [recipe.label for recipe in RECIPES.values()] + list(ABLATION_LABELS.values())
-TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency", "generalisation")
+TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency", "generalisation",
+               "main-effects")
 
 Slot = tuple[str, int]  # (model label, N_calib): one column group, or one table of a per-slot kind
 RowKey = tuple[str, float]  # (row label, pruning ratio)
@@ -154,8 +155,8 @@ def make_tables(results: Sequence[StoredResult], table: str = "all", *, profile:
     if lambda_rule not in LAMBDA_RULES:
         raise ValueError(f"unknown lambda rule {lambda_rule!r}; allowed: {', '.join(LAMBDA_RULES)}")
     kinds = TABLE_KINDS if table == "all" else (table,)
-    specs = [spec(kind, profile, metric_map) for kind in kinds if kind != "generalisation"]
-    if {"ppl", "ppl-other", "ablation"} & set(kinds):
+    specs = [spec(kind, profile, metric_map) for kind in kinds if kind not in ("generalisation", "main-effects")]
+    if {"ppl", "ppl-other", "ablation", "main-effects"} & set(kinds):
         check_profile(results, profile)
         if paper is not None and profile != PAPER_PROFILE:
             raise ValueError(f"the paper's perplexities are profile {PAPER_PROFILE}; got --profile {profile}")
@@ -164,6 +165,10 @@ def make_tables(results: Sequence[StoredResult], table: str = "all", *, profile:
         from rcpu_bench.tables import generalisation  # it builds on this module's rows
 
         tables += generalisation.make_tables(results)
+    if "main-effects" in kinds:
+        from rcpu_bench.tables import main_effects  # it builds on this module's rows
+
+        tables += main_effects.make_tables(results, profile, lambda_rule)
     return tables
 
 
