@@ -25,7 +25,8 @@ def run(scorer: str, compensator: str, allocation: str, ppl: float, *, lam: floa
 
 
 def design(bump: float = 0.0) -> list[dict]:
-    """Additive perplexities 10 + effects, plus ``bump`` on (obs, ridge) only: a selection × compensation interaction."""
+    """Additive perplexities 10 + effects, plus ``bump`` on (obs, ridge) only: a selection × compensation
+    interaction."""
     return [run(s, c, a, 10 + SELECTION[s] + COMPENSATION[c] + ALLOCATION[a] + (bump if (s, c) == ("obs", "ridge")
                                                                                    else 0.0))
             for s, c, a in product(SELECTION, COMPENSATION, ALLOCATION)]
@@ -80,5 +81,6 @@ def test_ridge_enters_at_lambda_best_and_the_table_kind_renders():
     assert len(tables) == 2
     rows = {row.label: row.cells for row in tables[0].rows}
     mean_ppl = rows["compensation: ridge"][0]
-    assert mean_ppl == pytest.approx(10 + fmean(SELECTION.values()) + COMPENSATION["ridge"] + fmean(ALLOCATION.values()))
+    expected = 10 + fmean(SELECTION.values()) + COMPENSATION["ridge"] + fmean(ALLOCATION.values())
+    assert mean_ppl == pytest.approx(expected)
     assert rows["selection: wanda-sp"][2] == pytest.approx(max(SELECTION.values()) - min(SELECTION.values()))
