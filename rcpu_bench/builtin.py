@@ -2,7 +2,7 @@
 
 from rcpu_bench.compensation import compensators
 from rcpu_bench.hookspecs import Register, hookimpl
-from rcpu_bench.pruning import allocation
+from rcpu_bench.pruning import allocation, depth
 from rcpu_bench.selection import obs, scorers
 
 
@@ -34,3 +34,11 @@ def register_compensators(register: Register) -> None:
     register("ridge", compensators.ridge, needs="gram")
     register("procrustes", compensators.procrustes, needs="gram")
     register("scaled-procrustes", compensators.scaled_procrustes, needs="gram")
+
+
+@hookimpl
+def register_model_methods(register: Register) -> None:
+    register("shortgpt", depth.shortgpt, description="ShortGPT: remove the layers of lowest block influence "
+             "BI = 1 − E[cos(x_in, x_out)], as many as match width pruning's parameters at ratio (Men et al. 2024)")
+    register("replaceme", depth.replaceme, description="ReplaceMe (LS): replace the closest run of layers by a "
+             "linear map T merged into the preceding down_proj, parameter-matched (Shopkhoev et al. 2025)")

@@ -19,13 +19,22 @@ import torch
 from torch import Tensor, nn
 
 from rcpu_bench.model.adapter import layer_view
+from rcpu_bench.model.views import UnitMap
 from rcpu_bench.pruning.options import AL_AM, UNIFORM
 from rcpu_bench.selection.scorers import unit_scores
-from rcpu_bench.selection.select import Selection
+from rcpu_bench.selection.select import Rounding, Selection, n_pruned
 
-__all__ = ["AL_AM", "AL_AM_SCORER", "UNIFORM", "Unit", "al_am", "layer_units", "log_increase", "uniform"]
+__all__ = ["AL_AM", "AL_AM_SCORER", "UNIFORM", "Unit", "al_am", "layer_units", "log_increase", "uniform",
+           "units_to_prune"]
 # AL-AM needs a score per unit; a selector (OBS) has none, so its per-layer counts come from FLAP's own score.
 AL_AM_SCORER = "flap-wifv"
+
+
+def units_to_prune(mapping: UnitMap, n_units: int, ratio: float, rounding: Rounding) -> int:
+    """⌊ρ·n⌋ (or ⌈ρ·n⌉) of a module's n units; under GQA's "query" rule the same number in every group."""
+    if mapping.group_size > 1:
+        return n_units // mapping.group_size * n_pruned(mapping.group_size, ratio, rounding)
+    return n_pruned(n_units, ratio, rounding)
 
 
 def uniform(n_layers: int, ratio: float, /) -> Tensor:

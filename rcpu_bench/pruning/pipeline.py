@@ -29,11 +29,11 @@ from rcpu_bench.compensation.diagnostics import module_generalisation
 from rcpu_bench.model.adapter import decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
 from rcpu_bench.model.views import UnitMap
-from rcpu_bench.pruning.allocation import AL_AM, AL_AM_SCORER, al_am, layer_units
+from rcpu_bench.pruning.allocation import AL_AM, AL_AM_SCORER, al_am, layer_units, units_to_prune
 from rcpu_bench.pruning.options import MODULES, PruneConfig
 from rcpu_bench.registry import Registry, Resolved, default_registry
 from rcpu_bench.selection.scorers import unit_scores
-from rcpu_bench.selection.select import Rounding, Selection, n_pruned, select_lowest, select_within_groups
+from rcpu_bench.selection.select import Selection, select_lowest, select_within_groups
 from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
 
 
@@ -54,13 +54,6 @@ class Timer:
         yield
         self._sync()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-def units_to_prune(mapping: UnitMap, n_units: int, ratio: float, rounding: Rounding) -> int:
-    """⌊ρ·n⌋ (or ⌈ρ·n⌉) of a module's n units; under GQA's "query" rule the same number in every group."""
-    if mapping.group_size > 1:
-        return n_units // mapping.group_size * n_pruned(mapping.group_size, ratio, rounding)
-    return n_pruned(n_units, ratio, rounding)
 
 
 def select_units(mapping: UnitMap, scores: Tensor, n_prune: int, how: str) -> Selection:
