@@ -9,7 +9,7 @@ import pytest
 from test_tables import entry, stored
 
 from rcpu_bench.tables.layout import make_tables
-from rcpu_bench.tables.main_effects import factorial_points, interaction, level_means
+from rcpu_bench.tables.main_effects import factorial_points, interaction, level_means, write_plots
 
 SELECTION = {"wanda-sp": 3.0, "variance": 1.0, "obs": -1.0}
 COMPENSATION = {"none": 4.0, "ridge": -1.0, "procrustes": 0.5}
@@ -84,3 +84,11 @@ def test_ridge_enters_at_lambda_best_and_the_table_kind_renders():
     expected = 10 + fmean(SELECTION.values()) + COMPENSATION["ridge"] + fmean(ALLOCATION.values())
     assert mean_ppl == pytest.approx(expected)
     assert rows["selection: wanda-sp"][2] == pytest.approx(max(SELECTION.values()) - min(SELECTION.values()))
+
+
+def test_the_figure_is_drawn_only_for_a_balanced_factorial_store(tmp_path):
+    (path,) = write_plots(stored(design()), tmp_path, "rcpu128")
+    assert path.name == "main_effects_Llama-7B_0.2.png" and path.read_bytes().startswith(b"\x89PNG")
+    only_uniform = [e for e in design() if e["cell"]["prune"].get("allocation") == "uniform"]
+    flap = [run("flap-wifv", "flap-bias", "al-am", 12.0)]  # an al-am run with no uniform counterpart
+    assert write_plots(stored(only_uniform + flap), tmp_path / "none", "rcpu128") == []

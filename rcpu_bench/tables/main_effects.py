@@ -14,11 +14,16 @@ other factor's level and have every level of this factor, so a partly finished s
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from itertools import combinations
+from pathlib import Path
 from statistics import fmean
 from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.options import AL_AM
@@ -70,9 +75,9 @@ def level_means(points: dict[Levels, float], factor: int) -> tuple[dict[Any, flo
     return {level: fmean(g[level] for g in complete) for level in levels}, len(complete)
 
 
-def interaction(points: dict[Levels, float], a: int, b: int) -> float | None:
-    """RMS of m_ab − m_a· − m_·b + m_·· over the two-way table of means, from the groups (the other factors fixed)
-    that have every (a, b) pair; None when no group is complete or a factor has one level."""
+def two_way_means(points: dict[Levels, float], a: int, b: int) -> dict[tuple[Any, Any], float] | None:
+    """Mean of each (level of a, level of b) over the groups (the other factors fixed) that have every pair; None
+    when no group is complete or a factor has one level."""
     pairs = sorted({(p[a], p[b]) for p in points}, key=str)
     levels_a, levels_b = {x for x, _ in pairs}, {y for _, y in pairs}
     if len(levels_a) < 2 or len(levels_b) < 2 or len(pairs) < len(levels_a) * len(levels_b):
@@ -82,9 +87,16 @@ def interaction(points: dict[Levels, float], a: int, b: int) -> float | None:
         rest = tuple(level for i, level in enumerate(p) if i not in (a, b))
         groups[rest][p[a], p[b]] = value
     complete = [g for g in groups.values() if len(g) == len(pairs)]
-    if not complete:
+    return {pair: fmean(g[pair] for g in complete) for pair in pairs} if complete else None
+
+
+def interaction(points: dict[Levels, float], a: int, b: int) -> float | None:
+    """RMS of m_ab − m_a· − m_·b + m_·· over the two-way table of means (:func:`two_way_means`)."""
+    m = two_way_means(points, a, b)
+    if m is None:
         return None
-    m = {pair: fmean(g[pair] for g in complete) for pair in pairs}
+    levels_a, levels_b = {x for x, _ in m}, {y for _, y in m}
+    pairs = list(m)
     grand = fmean(m.values())
     row = {x: fmean(v for (i, _), v in m.items() if i == x) for x in levels_a}
     col = {y: fmean(v for (_, j), v in m.items() if j == y) for y in levels_b}
@@ -115,3 +127,49 @@ def make_tables(results: Sequence[StoredResult], profile: str, lambda_rule: str 
                             "two-way means (0: the effects add up)", (Column(INTERACTION.header, "", INTERACTION),),
                             tuple(Row(label, ratio, (value,)) for label, value in pairs if value is not None)))
     return [t for t in tables if t.rows]
+
+
+def draw(model: str, ratio: float, points: dict[Levels, float], profile: str) -> Figure | None:
+    """One panel per factor with more than one level (its level means), then selection × compensation: the
+    two-way means, one line per selection."""
+    names = list(FACTORS)
+    panels = [(i, means) for i, _ in enumerate(names) if (means := level_means(points, i)[0])]
+    pair = two_way_means(points, 0, 1)
+    if not panels:
+        return None
+    figure = Figure(figsize=(3.6 * (len(panels) + (pair is not None)), 3.4), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = list(figure.subplots(1, len(panels) + (pair is not None), squeeze=False)[0])
+    for ax, (i, means) in zip(axes, panels, strict=False):
+        ax.plot([str(level) for level in means], list(means.values()), marker="o", linestyle="none", color=f"C{i}")
+        ax.set(title=names[i], ylabel=f"mean ppl ({profile})" if ax is axes[0] else None)
+        ax.margins(x=0.2)
+        ax.tick_params(axis="x", labelrotation=30, labelsize="small")
+    if pair is not None:
+        ax = axes[-1]
+        compensations = sorted({c for _, c in pair}, key=str)
+        for k, selection in enumerate(sorted({s for s, _ in pair}, key=str)):
+            ax.plot(compensations, [pair[selection, c] for c in compensations], marker="o", color=f"C{k}",
+                    label=selection)
+        ax.set(title="selection × compensation")
+        ax.tick_params(axis="x", labelrotation=30, labelsize="small")
+        ax.legend(fontsize="x-small", frameon=False)
+    figure.suptitle(f"{model}, {ratio:.0%}: level means over balanced comparisons")
+    return figure
+
+
+def write_plots(results: Sequence[StoredResult], out_dir: str | Path, profile: str,
+                lambda_rule: str = DEFAULT_LAMBDA_RULE) -> list[Path]:
+    """The main-effects figure of each (model, ratio) of a factorial store as PNG in ``out_dir``; their paths."""
+    out_dir, paths = Path(out_dir), []
+    for (model, ratio), points in sorted(factorial_points(results, profile, lambda_rule).items()):
+        if not all(level_means(points, i)[0] for i in range(3)):  # no balanced selection × compensation × allocation
+            continue
+        figure = draw(model, ratio, points, profile)
+        if figure is None:
+            continue
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"main_effects_{re.sub(r'[^A-Za-z0-9._-]+', '_', model)}_{ratio:g}.png"
+        figure.savefig(path, format="png", bbox_inches="tight", metadata={"Software": None})
+        paths.append(path)
+    return paths

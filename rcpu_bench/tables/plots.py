@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 
 from rcpu_bench.matrix.store import StoredResult, read_results
 from rcpu_bench.pruning.options import is_default_pipeline
-from rcpu_bench.tables import generalisation
+from rcpu_bench.tables import generalisation, main_effects
 from rcpu_bench.tables.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, resolve
 from rcpu_bench.tables.layout import any_row, cell_grid, compensates_all
 from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, default_profile, ppl_of
@@ -261,7 +261,8 @@ def write_plots(results: Sequence[StoredResult], out_dir: str | Path, profile: s
                 with matplotlib.rc_context({"svg.hashsalt": "rcpu-bench"}):
                     figure.savefig(path, format=fmt, dpi=DPI, bbox_inches="tight", metadata=_METADATA[fmt])
                 paths.append(path)
-    return paths + generalisation.write_plots(results, out_dir)
+    return paths + generalisation.write_plots(results, out_dir) + main_effects.write_plots(results, out_dir, profile,
+                                                                                          lambda_rule)
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
