@@ -77,7 +77,8 @@ def test_ablation_multiplies_the_methods_by_the_compensated_modules():
 def test_a_product_takes_every_registered_method_and_names_aliases_by_the_paper():
     cells = cells_of(tiny_raw([{"scorers": "all", "compensators": "all"}], lambdas=RIDGE_LAMS))
     per_scorer = sum(len(RIDGE_LAMS) if "lam" in c.params else 1 for c in REGISTRY.methods("compensator"))
-    assert len(cells) == len(REGISTRY.methods("scorer")) * per_scorer
+    selections = len(REGISTRY.methods("scorer")) + len(REGISTRY.methods("selector"))  # "all": selectors too
+    assert len(cells) == selections * per_scorer
     by_pair = {(c.prune["scorer"], c.prune["compensator"]): c for c in cells}
     assert (by_pair["variance", "procrustes"].method, by_pair["variance", "procrustes"].method_label) == (
         "rcpu-rot", "RCPU (Rot.)")
@@ -304,3 +305,15 @@ def test_readme_matrix_key_table_is_the_generated_one():
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     (table,) = re.findall(r"<!-- matrix-keys:[^\n]*-->\n(.*?)\n<!-- /matrix-keys -->", text, flags=re.S)
     assert table == key_table()
+
+
+def test_a_product_with_allocations_crosses_them_and_al_am_keeps_the_structure_cell():
+    cells = cells_of(tiny_raw([{"scorers": ["obs", "variance"], "compensators": ["none"],
+                                "allocations": ["uniform", "log-increase", "al-am"]}]))
+    allocations = {(c.prune["scorer"], c.prune["allocation"], c.prune["structure"]) for c in cells}
+    assert allocations == {(s, a, st) for s in ("obs", "variance") for a, st in
+                           (("uniform", "uniform"), ("log-increase", "uniform"), ("uniform", "al-am"))}
+    same = cells_of(tiny_raw([{"name": "x", "scorer": "variance", "compensator": "none", "structure": "al-am"}]))
+    by_structure = {c.ratio: c.id for c in same}
+    assert by_structure == {c.ratio: c.id for c in cells if c.prune["scorer"] == "variance"
+                            and c.prune["structure"] == "al-am"}
