@@ -1,9 +1,11 @@
-"""Write a random-init LLaMA-7B- or 13B-shaped model directory that `rcpu-bench prune` loads like a real one.
+"""Write a random-init LLaMA-7B-, 13B- or Llama-3.2-1B-shaped model directory that `rcpu-bench prune` loads like a
+real one.
 
-The directory holds ``config.json`` (LlamaForCausalLM, the shape's real widths, layers and 32,000-token
-vocabulary), the weights as ``model-XXXXX-of-YYYYY.safetensors`` shards (one per decoder layer, plus
-one for the embeddings, final norm and head) with ``model.safetensors.index.json``, and the tokenizer
-files of a local model (default: the shared ``stories260K``; its 512 ids all lie inside the vocabulary).
+The directory holds ``config.json`` (LlamaForCausalLM, the shape's real widths, key/value heads, layers and
+vocabulary: 32,000 tokens for LLaMA, 128,256 and tied embeddings for Llama-3.2-1B, whose RoPE is kept plain,
+without Llama 3's frequency scaling), the weights as ``model-XXXXX-of-YYYYY.safetensors`` shards (one per
+decoder layer, plus one for the embeddings, final norm and head) with ``model.safetensors.index.json``, and the
+tokenizer files of a local model (default: the shared ``stories260K``; its 512 ids all lie inside the vocabulary).
 Weights are N(0, 0.02²) (LLaMA's ``initializer_range``), norms are ones, all seeded; tensors are made and
 written one layer at a time, so memory stays near one layer (≈ 0.8 GB in float32 at 7B) whatever the size.
 
@@ -22,6 +24,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -30,8 +33,24 @@ from transformers import LlamaConfig
 SEED = 0
 INIT_STD = 0.02
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
-# LLaMA-1 7B and Llama-2 13B: hidden size, MLP width, heads (all key/value heads), layers.
-SHAPES = {"7b": (4096, 11008, 32, 32), "13b": (5120, 13824, 40, 40)}
+
+
+class Shape(NamedTuple):
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    layers: int
+    vocab: int
+    tied: bool
+    rope_theta: float
+    rms_eps: float
+
+
+# LLaMA-1 7B, Llama-2 13B and Llama-3.2-1B (GQA: 8 key/value heads, tied embeddings).
+SHAPES = {"7b": Shape(4096, 11008, 32, 32, 32, 32000, False, 10000.0, 1e-6),
+          "13b": Shape(5120, 13824, 40, 40, 40, 32000, False, 10000.0, 1e-6),
+          "llama3.2-1b": Shape(2048, 8192, 32, 8, 16, 128256, True, 500000.0, 1e-5)}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -44,12 +63,13 @@ def llama_config(shape: str, scale: float = 1.0, layers: int | None = None) -> L
         raise ValueError(f"shape={shape!r}; allowed: {', '.join(SHAPES)}")
     if not 0 < scale <= 1:
         raise ValueError(f"scale={scale} must be in (0, 1]")
-    hidden, intermediate, heads, n_layers = SHAPES[shape]
-    head_dim = max(2, 2 * round(hidden // heads * scale / 2))
-    return LlamaConfig(hidden_size=heads * head_dim, intermediate_size=max(1, round(intermediate * scale)),
-                       num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
-                       num_hidden_layers=layers or n_layers, vocab_size=32000, max_position_embeddings=2048,
-                       rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    s = SHAPES[shape]
+    head_dim = max(2, 2 * round(s.hidden // s.heads * scale / 2))
+    return LlamaConfig(hidden_size=s.heads * head_dim, intermediate_size=max(1, round(s.intermediate * scale)),
+                       num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=head_dim,
+                       num_hidden_layers=layers or s.layers, vocab_size=s.vocab, max_position_embeddings=2048,
+                       rms_norm_eps=s.rms_eps, tie_word_embeddings=s.tied, bos_token_id=1, eos_token_id=2,
+                       rope_theta=s.rope_theta)
 
 
 def layer_tensors(config: LlamaConfig, index: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -68,11 +88,13 @@ def layer_tensors(config: LlamaConfig, index: int, generator: torch.Generator) -
 
 
 def outer_tensors(config: LlamaConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Embeddings, final norm and LM head (untied, as in LLaMA)."""
+    """Embeddings, final norm and LM head (untied as in LLaMA; none when tied, as in Llama-3.2-1B)."""
     vocab, hidden = config.vocab_size, config.hidden_size
-    return {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator) * INIT_STD,
-            "model.norm.weight": torch.ones(hidden),
-            "lm_head.weight": torch.randn(vocab, hidden, generator=generator) * INIT_STD}
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator) * INIT_STD,
+               "model.norm.weight": torch.ones(hidden)}
+    if not config.tie_word_embeddings:
+        tensors["lm_head.weight"] = torch.randn(vocab, hidden, generator=generator) * INIT_STD
+    return tensors
 
 
 def write_model(out: Path, config: LlamaConfig, dtype: str, tokenizer_from: Path) -> None:

@@ -1,4 +1,5 @@
-"""Where the shared fixtures (``models/``, ``data/``) live: beside the checkout, or where the environment says."""
+"""Where the shared fixtures (``models/``, ``data/``) live: beside the checkout, or where the environment says;
+the default model among them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 SHARED_ENV = "RCPU_BENCH_SHARED"
 DATA_ENV = "RCPU_BENCH_DATA"
+DEFAULT_MODEL = "stories260K-mha"  # resolved in the shared fixtures directory
 
 
 def shared_dir() -> Path:
@@ -28,3 +30,8 @@ def shared_dir() -> Path:
 def data_dir() -> Path:
     """``$RCPU_BENCH_DATA`` if set, else ``shared_dir()/data``."""
     return Path(os.environ[DATA_ENV]) if os.environ.get(DATA_ENV) else shared_dir() / "data"
+
+
+def default_model() -> str:
+    """The embedded default model: the shared stories260K-mha fixture."""
+    return str(shared_dir() / "models" / DEFAULT_MODEL)

@@ -35,6 +35,7 @@ from rcpu_bench.hookspecs import (
 )
 from rcpu_bench.model.views import UnitMap
 from rcpu_bench.statistics.activations import ActivationStats
+from rcpu_bench.version import __version__
 
 KINDS: tuple[Kind, ...] = ("scorer", "selector", "compensator", "model-method", "allocation")
 _HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "selector": "register_selectors",
@@ -365,8 +366,6 @@ class PluginManager(pluggy.PluginManager):
 
     def register_builtins(self) -> None:
         """The built-in methods, registered in code (no installed metadata needed)."""
-        from rcpu_bench import __version__
-
         self.register(builtin, name="builtin")
         self.providers["builtin"] = f"builtin (rcpu-bench {__version__})"
 

@@ -115,9 +115,9 @@ def test_model_view_parts_are_the_models_modules():
 
 
 def test_unsupported_layers_and_models_name_what_is_supported():
-    with pytest.raises(ValueError, match="unsupported decoder layer Linear.*supported: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported decoder layer Linear.*supported: Llama \\(llama"):
         layer_view(nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="unsupported architecture Linear: no decoder layers"):
+    with pytest.raises(ValueError, match="unsupported architecture Linear: model_type None is not a supported"):
         check_architecture(nn.Linear(2, 2))
     assert FAMILIES and all(family.problem(tiny_model(tiny_config())) is None for family in FAMILIES[:1])
 
@@ -177,7 +177,8 @@ def test_capture_and_run_layer_reproduce_the_first_layers_output():
 FAMILY_NAMES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "self_attn",
                 "embed_tokens", "input_layernorm", "post_attention_layernorm", "rotary_emb", "num_key_value_groups"}
 ALLOWED = {
-    "rcpu_bench/model/llama.py": "the LLaMA family itself",
+    "rcpu_bench/model/llama.py": "the Llama-like base (Llama's own family)",
+    "rcpu_bench/model/families": "each family's differences from Llama, as data",
     "rcpu_bench/model/hf_format": "the self-contained modeling files written beside saved models",
     "rcpu_bench/matrix/spec.py": "the matrix vocabulary of the ablation (compensate: o_proj / down_proj)",
     "plugins/rcpu-slicegpt/rcpu_slicegpt/layers.py": "the sliced layer keeps Llama's child names (its weights' keys)",
@@ -207,3 +208,25 @@ def test_module_names_are_known_only_to_the_family():
             if names:
                 offenders[relative] = sorted(names)
     assert offenders == {}
+
+
+# --- the top package is the rest of the plugin face ---------------------------------------------------
+
+def test_every_name_of_the_top_package_loads():
+    import rcpu_bench
+
+    assert all(getattr(rcpu_bench, name) is not None for name in rcpu_bench.__all__)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    return modules | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_plugins_import_only_the_top_package_and_the_model_side():
+    sources = [path for path in ROOT.joinpath("plugins").glob("*/rcpu_*/*.py")]
+    deeper = {path.relative_to(ROOT).as_posix(): sorted(m for m in _imported_modules(path)
+                                                          if m.startswith("rcpu_bench.") and m != "rcpu_bench.model")
+              for path in sources}
+    assert sources and {path: modules for path, modules in deeper.items() if modules} == {}

@@ -9,8 +9,8 @@ from tiny_models import STORIES_MHA, needs_stories
 
 from rcpu_bench.cli import main
 from rcpu_bench.evaluation.perplexity import perplexity
-from rcpu_bench.matrix.records import read_records
 from rcpu_bench.model.persistence import load_pruned
+from rcpu_bench.records import read_records
 
 QUICK = ["--model", str(STORIES_MHA), "--calib", "tinystories:8x64", "--ppl", "tinystories[900:930]", "--quiet"]
 
@@ -34,7 +34,7 @@ def test_bad_input_is_reported_before_work(capsys, tmp_path, args, message):
     out = tmp_path / "r.jsonl"
     code = main(["prune", *QUICK, *args, "--out", str(out)])
     err = capsys.readouterr().err
-    assert code == 2 and "rcpu-bench: error:" in err and message in err
+    assert code == 2 and "rcpu-bench prune: error:" in err and message in err
     assert not out.exists()
 
 

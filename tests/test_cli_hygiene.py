@@ -15,6 +15,7 @@ from tiny_models import STORIES_MHA, needs_stories
 
 from rcpu_bench import console
 from rcpu_bench.cli import build_parser, main
+from rcpu_bench.commands import COMMANDS, subcommand_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ")
@@ -36,8 +37,7 @@ def fresh_console():
 
 def subcommands() -> dict:
     parser = build_parser()
-    (commands,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
-    return {"": parser, **commands.choices}
+    return {"": parser, **{name: subcommand_parser(name, parser) for name in COMMANDS}}
 
 
 @pytest.mark.parametrize("name", ["", "plugins", "prune", "run", "tables", "plots", "eval", "generate", "speed"])
@@ -137,7 +137,7 @@ def test_ctrl_c_in_a_command_is_one_line_and_130(monkeypatch, capsys):
     def interrupted():
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("rcpu_bench.cli.default_registry", interrupted)
+    monkeypatch.setattr("rcpu_bench.commands.plugins.default_registry", interrupted)
     assert main(["plugins"]) == 130
     captured = capsys.readouterr()
     assert captured.err == "rcpu-bench: interrupted\n" and captured.out == ""
@@ -166,3 +166,37 @@ def test_sigint_during_prune_exits_130_without_traceback_or_record(tmp_path):
     assert done.returncode == 130
     assert done.stderr == "rcpu-bench: interrupted\n" and "Traceback" not in done.stdout
     assert not out.exists() and not (tmp_path / "pruned").exists()
+
+
+VERSION_WITHOUT_LIBRARIES = """
+import sys
+from rcpu_bench.cli import main
+try:
+    main(["--version"])
+finally:
+    heavy = sorted({"torch", "transformers", "lm_eval", "matplotlib"} & set(sys.modules))
+    print("loaded:", ",".join(heavy), file=sys.stderr)
+"""
+
+
+def test_version_and_help_load_no_model_library():
+    """``--version`` stays fast: the subcommands' modules (torch, transformers, ...) load only when one runs."""
+    done = subprocess.run([sys.executable, "-c", VERSION_WITHOUT_LIBRARIES], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0 and done.stdout.startswith("rcpu-bench ")
+    assert done.stderr.strip() == "loaded:"
+
+
+def test_bad_input_is_one_line_naming_the_command_and_debug_shows_the_traceback(tmp_path, capsys):
+    assert main(["tables", "--results", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"rcpu-bench tables: error: no results store {tmp_path / 'records.jsonl'} (expected " \
+                           "records.jsonl in the --results directory)\n"
+    with pytest.raises(FileNotFoundError, match="no results store"):
+        main(["--debug", "tables", "--results", str(tmp_path)])
+
+
+def test_every_evaluating_command_has_the_same_eval_batch_size_default():
+    parsers = subcommands()
+    defaults = {command: parsers[command].get_default("eval_batch_size") for command in ("prune", "eval", "speed")}
+    assert set(defaults.values()) == {8}, defaults

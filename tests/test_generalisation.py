@@ -19,7 +19,7 @@ from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.registry import default_registry
 from rcpu_bench.tables import generalisation
-from rcpu_bench.tables.tables import render
+from rcpu_bench.tables.render import render
 
 
 class WordIds:
@@ -155,7 +155,8 @@ def entry(label: str, n_calib: int, lam: float | None, calib_ppl: float, held: f
     return StoredResult.from_entry({"cell_id": f"{label}{n_calib}{lam}", "status": "ok",
             "cell": {"model_label": "m", "method_label": label, "ratio": 0.2, "n_calib": n_calib, "lam": lam,
                      "model": "m", "calib": f"c:{n_calib}", "prune": prune},
-            "record": {"experiment": {"prune": prune}, "calibration_ppl": calib_ppl,
+            "record": {"experiment": {"prune": prune}, "calibration_ppl": calib_ppl, "parameters": {"before": 10},
+                       "perplexity": [], "timing": {}, "peak_memory_bytes": 0,
                        "generalisation": {"holdout_windows": 4, "layers": layers, "calibration_error_mean": held / 2,
                                           "holdout_error_mean": held, "degrees_of_freedom_total": 2 * dof}}})
 
@@ -177,5 +178,5 @@ def test_tables_choose_lambda_by_each_rule_and_figures_are_written(tmp_path):
     names = sorted(p.name for p in paths)
     assert names == ["holdout_error_per_layer_m_0.2_N4.png", "holdout_error_vs_ncalib_m_0.2.png"]
     assert all(Path(p).stat().st_size > 0 for p in paths)
-    without = StoredResult(entries[2].cell_id, entries[2].cell, {"experiment": entries[2].record["experiment"]}, 0.0)
+    without = replace(entries[2], record=replace(entries[2].record, generalisation=None))
     assert generalisation.make_tables([without]) == []

@@ -85,4 +85,4 @@ def test_generate_command_prints_pruned_and_dense_side_by_side(tmp_path, capsys)
 def test_generate_command_reports_bad_input_before_work(args, message, capsys):
     assert run_generate(["--model", str(STORIES), *args]) == 2
     err = capsys.readouterr().err
-    assert "rcpu-bench: error:" in err and message in err
+    assert "rcpu-bench generate: error:" in err and message in err

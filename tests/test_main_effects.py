@@ -8,8 +8,8 @@ from statistics import fmean
 import pytest
 from test_tables import entry, stored
 
-from rcpu_bench.tables.layout import make_tables
 from rcpu_bench.tables.main_effects import factorial_points, interaction, level_means, write_plots
+from rcpu_bench.tables.tables import make_tables
 
 SELECTION = {"wanda-sp": 3.0, "variance": 1.0, "obs": -1.0}
 COMPENSATION = {"none": 4.0, "ridge": -1.0, "procrustes": 0.5}

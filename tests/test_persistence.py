@@ -9,10 +9,10 @@ from safetensors import safe_open
 from safetensors.torch import save_model
 from tiny_models import STORIES, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model, tokens
 
-from rcpu_bench.matrix.records import library_versions
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_model, parameter_count
 from rcpu_bench.model.persistence import MANIFEST, load_pruned, read_manifest, save_pruned
+from rcpu_bench.records import library_versions
 
 REMOTE_CODE_FILES = ["README.md", "config.json", "configuration_rcpu_llama.py", "model.safetensors",
                      "modeling_rcpu_llama.py", MANIFEST]

@@ -12,8 +12,8 @@ from tiny_matrices import tiny_matrix
 from tiny_models import needs_stories
 
 from rcpu_bench.cli import main
+from rcpu_bench.experiment import run_experiment
 from rcpu_bench.matrix import executors
-from rcpu_bench.matrix.experiment import run_experiment
 from rcpu_bench.matrix.phases import lambda_group, plan_phases
 from rcpu_bench.matrix.runner import run_matrix
 from rcpu_bench.matrix.spec import expand, load_matrix
@@ -144,7 +144,7 @@ def test_phase_two_runs_zero_shot_only_at_the_argmin_of_the_calibration_perplexi
     assert prunings[-1] == next(c for c in cells if c.id == argmin["cell_id"]).experiment()
     # Re-pruning is bit-identical: the weights zero-shot saw are those of an independent run of the chosen cell.
     independent = run_experiment(prunings[-1], progress=False, evaluate=lambda model, _: {"w": weights_digest(model)})
-    assert best["record"]["zeroshot"]["weights"] == independent["w"]
+    assert best["record"]["zeroshot"]["weights"] == independent.extra["w"]
     assert best["reproduced"] == {"identical": True, "calibration_ppl": [argmin["record"]["calibration_ppl"]] * 2}
     # A rerun has nothing left to do.
     again = run_matrix(matrix, tmp_path, progress=False)

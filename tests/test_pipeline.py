@@ -243,3 +243,22 @@ def test_report_has_timings_per_layer():
         assert set(layer["seconds"]) == {"statistics", "score", "solve", "forward"}
         assert all(v >= 0 for v in layer["seconds"].values())
     assert report.peak_memory_bytes > 0
+
+
+@pytest.mark.parametrize("structure", ["uniform", "al-am"])
+def test_round_to_gives_kept_widths_in_whole_multiples(structure):
+    """round_to=8 on 6 heads of size 6 in 3 key/value groups and 20 channels: o_proj keeps a multiple of 8 columns
+    made of whole groups (12 columns each: 2 groups, 24 columns) and down_proj 8 or 16 channels."""
+    model = tiny_model(tiny_config(intermediate=20, layers=3))
+    scorer = {"structure": structure, "scorer": "flap-wifv", "compensator": "flap-bias"} if structure == "al-am" else {}
+    report = prune_model(model, tokens(61, batch=4, length=16), PruneConfig(ratio=0.4, round_to=8, **scorer),
+                         progress=False)
+    for geometry, layer in zip(layer_geometries(model), report.layers, strict=True):
+        assert geometry.n_heads * geometry.head_dim % 8 == 0 and geometry.n_kv_heads == 2
+        assert geometry.intermediate in (8, 16)
+        assert layer["mlp"]["units_pruned"] == 20 - geometry.intermediate
+
+
+def test_round_to_is_refused_with_the_query_rule():
+    with pytest.raises(ValueError, match="round_to=8 needs the layer-wise pipeline with gqa_rule='group'"):
+        PruneConfig(round_to=8, gqa_rule="query").validate(default_registry())

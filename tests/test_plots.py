@@ -3,7 +3,6 @@ stability, and the PNG files the command writes."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import struct
 from pathlib import Path
@@ -11,11 +10,10 @@ from pathlib import Path
 import pytest
 from test_tables import entry, ridge_grid, stored
 
+from rcpu_bench.commands import main
 from rcpu_bench.tables.plots import (
     LambdaCurve,
-    add_parser,
     bar_data,
-    cmd_plots,
     dense_data,
     lambda_data,
     ncalib_data,
@@ -117,9 +115,7 @@ def test_every_figure_draws_the_dense_reference_line():
 
 
 def run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rcpu-bench")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    return cmd_plots(parser.parse_args(["plots", *argv]))
+    return main(["plots", *argv])
 
 
 @pytest.fixture

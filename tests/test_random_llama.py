@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import STORIES, TINYSTORIES, needs_stories
 
-from rcpu_bench.matrix.experiment import Experiment, run_experiment
+from rcpu_bench.experiment import Experiment, run_experiment
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.pruning.pipeline import PruneConfig
 
@@ -25,6 +25,10 @@ def test_full_size_configs_have_llama_widths():
         config = make_random_llama.llama_config(shape)
         assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.head_dim,
                 config.num_hidden_layers, config.vocab_size) == (hidden, mlp, heads, 128, layers, 32000)
+    config = make_random_llama.llama_config("llama3.2-1b")  # Llama-3.2-1B's config.json, RoPE scaling aside
+    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.num_hidden_layers, config.vocab_size, config.tie_word_embeddings,
+            config.rope_parameters["rope_theta"]) == (2048, 8192, 32, 8, 64, 16, 128256, True, 500000.0)
 
 
 @pytest.mark.parametrize("bad", [{"shape": "70b"}, {"shape": "7b", "scale": 0}, {"shape": "7b", "scale": 1.5}])
@@ -52,8 +56,8 @@ def test_tiny_scale_model_loads_prunes_and_evaluates(tmp_path):
 
     record = run_experiment(Experiment(model=str(out), prune=PruneConfig(compensator="procrustes", ratio=0.25),
                                        calib="tinystories:4x32", ppl_profiles=("tinystories[0:4]",)), progress=False)
-    assert record["parameters"]["after"] < record["parameters"]["before"]
-    assert torch.isfinite(torch.tensor(record["perplexity"][0]["ppl"]))
+    assert record.parameters["after"] < record.parameters["before"]
+    assert torch.isfinite(torch.tensor(record.perplexity[0]["ppl"]))
 
 
 def test_existing_output_directory_is_refused(tmp_path, capsys):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcpu_bench.matrix import records
+from rcpu_bench import records
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 

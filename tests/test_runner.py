@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -17,19 +16,20 @@ import torch
 from tiny_matrices import tiny_matrix, tiny_raw, write_matrix
 from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
+from rcpu_bench.commands import main
 from rcpu_bench.compensation import compensators
+from rcpu_bench.experiment import run_experiment
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.matrix import executors
 from rcpu_bench.matrix.executors import ModelCache, clone_to, make_executor, run_cell
-from rcpu_bench.matrix.experiment import run_experiment
 from rcpu_bench.matrix.runner import (
-    add_parser,
     default_cell_seconds,
     estimate_seconds,
     run_matrix,
 )
 from rcpu_bench.matrix.spec import MatrixError, expand, load_matrix
 from rcpu_bench.matrix.store import Store, read_results
+from rcpu_bench.records import Record
 from rcpu_bench.registry import build_registry, default_registry, plugin_manager
 
 REGISTRY = default_registry()
@@ -37,11 +37,8 @@ TIMEOUT_S = 120
 
 
 def cli(*args: str) -> int:
-    """``rcpu-bench run ARGS`` through a parser built with the runner's add_parser."""
-    parser = argparse.ArgumentParser(prog="rcpu-bench")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    parsed = parser.parse_args(["run", *args])
-    return parsed.func(parsed)
+    """``rcpu-bench run ARGS``."""
+    return main(["run", *args])
 
 
 @pytest.mark.slow
@@ -60,8 +57,8 @@ def test_a_run_stores_a_complete_entry_per_cell_and_a_rerun_skips_them(tmp_path)
     assert removed[0] == 0 < removed[1] == removed[2]
     # Every cell prunes its own copy of the cached dense model: the last one equals a run that loads the model.
     fresh = run_experiment(expand(matrix, REGISTRY)[-1].experiment(), progress=False)
-    assert entries[-1]["record"]["perplexity"] == fresh["perplexity"]
-    assert entries[-1]["record"]["calibration_ppl"] == fresh["calibration_ppl"]
+    assert entries[-1]["record"]["perplexity"] == fresh.perplexity
+    assert entries[-1]["record"]["calibration_ppl"] == fresh.calibration_ppl
     again = run_matrix(matrix, tmp_path, progress=False)
     assert (again.ok, again.failed, again.skipped) == (0, 0, 3) and len(Store(tmp_path).entries()) == 3
     rerun = run_matrix(tiny_matrix(["wanda-sp"]), tmp_path, resume=False, progress=False)
@@ -128,7 +125,8 @@ def test_failing_cells_are_recorded_with_their_traceback_the_run_goes_on_and_a_r
 
 def test_a_non_finite_perplexity_fails_the_cell(monkeypatch):
     (cell,) = expand(tiny_matrix(["rcpu-rot"]), REGISTRY)
-    record = {"calibration_ppl": 5.0, "perplexity": [{"profile": "tinystories[900:920]", "ppl": float("nan")}]}
+    record = Record(experiment={}, parameters={}, timing={}, peak_memory_bytes=0, calibration_ppl=5.0,
+                    perplexity=[{"profile": "tinystories[900:920]", "ppl": float("nan")}])
     monkeypatch.setattr(executors, "run_experiment", lambda *args, **kwargs: record)
     entry = run_cell(cell, REGISTRY, ModelCache())
     assert entry["status"] == "failed" and entry["record"] is None
@@ -170,12 +168,9 @@ def test_missing_zeroshot_data_is_reported_before_any_cell_runs(tmp_path, fake_z
 # --- kills ----------------------------------------------------------------------------------------
 
 RUNNER_SCRIPT = """\
-import argparse, sys
-from rcpu_bench.matrix.runner import add_parser
-parser = argparse.ArgumentParser(prog="rcpu-bench")
-add_parser(parser.add_subparsers(dest="command", required=True))
-args = parser.parse_args(sys.argv[1:])
-sys.exit(args.func(args))
+import sys
+from rcpu_bench.commands import main
+sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -244,7 +239,7 @@ def test_a_dry_run_lists_the_cells_without_running_them(capsys, tmp_path):
 def test_bad_input_is_reported_before_any_cell_runs(capsys, tmp_path, args, message):
     assert cli(*args, "--results", str(tmp_path), "--quiet") == 2
     err = capsys.readouterr().err
-    assert "rcpu-bench: error:" in err and message in err
+    assert "rcpu-bench run: error:" in err and message in err
     assert not (tmp_path / "records.jsonl").exists()
 
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rcpu_bench.selection.select import Selection, n_pruned, select_by_score
+from rcpu_bench.selection.select import Selection, kept_multiple, n_pruned, round_kept, select_by_score
 
 
 def lowest_first_direct(scores: list[float], count: int) -> list[int]:
@@ -161,3 +161,36 @@ def test_columns_partition_all_columns(n_units, unit_size, data):
 def test_columns_of_empty_pruned_set_is_empty():
     cols = select_by_score(torch.tensor([1.0, 2.0, 3.0]), 0.0).columns(4)
     assert cols.pruned.numel() == 0 and cols.kept.tolist() == list(range(12))
+
+
+# round_to: kept widths rounded to a multiple --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("channels, unit_size, expected", [(64, 1, 64), (32, 8, 4), (128, 128, 1), (64, 96, 2)])
+def test_kept_multiple_is_the_fewest_units_filling_whole_multiples(channels, unit_size, expected):
+    assert kept_multiple(channels, unit_size) == expected
+    assert expected * unit_size % channels == 0
+    assert all(k * unit_size % channels for k in range(1, expected))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-5, 5), min_size=2, max_size=24), st.integers(0, 23), st.integers(1, 8))
+def test_round_kept_matches_a_brute_force_choice(raw, n_pruned_units, multiple):
+    """Against brute force: the kept count is the multiple of m in [m, n] nearest |K| (ties upward), and the kept
+    set is the best-scoring units of the original selection's order (score, then lower index pruned first)."""
+    scores = torch.tensor(raw, dtype=torch.float64)
+    n = len(raw)
+    if multiple > n:
+        with pytest.raises(ValueError, match=f"multiple of {multiple}"):
+            round_kept(select_by_score(scores, 0.0), scores, multiple)
+        return
+    order = sorted(range(n), key=lambda i: (raw[i], i))  # pruning order, as select_by_score
+    pruned = sorted(order[:min(n_pruned_units, n - 1)])
+    start = Selection(torch.tensor(sorted(set(range(n)) - set(pruned)), dtype=torch.long),
+                      torch.tensor(pruned, dtype=torch.long))
+    result = round_kept(start, scores, multiple)
+    candidates = range(multiple, n + 1, multiple)
+    k = len(start.kept)
+    target = min(candidates, key=lambda c: (abs(c - k), -c))
+    assert len(result.kept) == target and len(result.kept) + len(result.pruned) == n
+    assert sorted(result.kept.tolist()) == sorted(order[n - target:])

@@ -12,7 +12,7 @@ from tiny_models import STORIES_MHA, needs_stories, tiny_config, tiny_model
 from rcpu_bench.evaluation import speed
 from rcpu_bench.evaluation.generation import text_sample
 from rcpu_bench.evaluation.speed import inference_speed
-from rcpu_bench.matrix.experiment import Experiment, run_experiment
+from rcpu_bench.experiment import Experiment, run_experiment
 from rcpu_bench.model.persistence import load_pruned
 from rcpu_bench.pruning.pipeline import PruneConfig
 
@@ -76,7 +76,7 @@ def test_every_experiment_records_its_speed_and_a_text_sample(tmp_path):
     record = run_experiment(Experiment(model=str(STORIES_MHA), prune=PruneConfig(ratio=0.25), calib="tinystories:8x64",
                                        ppl_profiles=("tinystories[0:4]",), save_dir=str(tmp_path / "pruned")),
                             progress=False)
-    assert set(record["inference"]) == FIELDS and record["inference"]["prompt_tokens"] == speed.PROMPT_TOKENS
+    assert set(record.inference) == FIELDS and record.inference["prompt_tokens"] == speed.PROMPT_TOKENS
     saved = load_pruned(tmp_path / "pruned")
-    assert record["sample"] == text_sample(saved.model, saved.tokenizer)
-    assert record["sample"]["text"]
+    assert record.sample == text_sample(saved.model, saved.tokenizer)
+    assert record.sample["text"]

@@ -21,6 +21,7 @@ from rcpu_bench.matrix.store import (
     make_entry,
     read_results,
 )
+from rcpu_bench.records import Record
 from rcpu_bench.registry import default_registry
 
 ENTRY_KEYS = {"cell_id", "status", "error", "cell", "record", "finished_at", "seconds"}
@@ -38,7 +39,9 @@ def fail() -> None:
 
 def test_entries_carry_the_cell_and_either_a_record_or_an_error_with_its_traceback():
     (cell,) = expand(tiny_matrix(["rcpu-rot"]), default_registry())
-    ok = make_entry(cell, seconds=1.5, record={"perplexity": []})
+    record = Record(experiment={}, parameters={}, perplexity=[], timing={}, peak_memory_bytes=0)
+    ok = make_entry(cell, seconds=1.5, record=record)
+    assert ok["record"] == record.to_json()
     assert set(ok) == ENTRY_KEYS and set(ok["cell"]) >= CELL_KEYS
     assert (ok["cell_id"], ok["status"], ok["error"], ok["seconds"]) == (cell.id, OK, None, 1.5)
     assert ok["finished_at"].endswith("+00:00") and ok["cell"]["method_label"] == "RCPU (Rot.)"
@@ -109,7 +112,8 @@ def test_read_results_skips_failed_and_a_torn_last_line(tmp_path):
     (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n" + lines[1][:40], encoding="utf-8")
     stored = read_results(tmp_path)
     assert [r.ratio for r in stored.results] == [0.1, 0.3] and stored.failed == 1
-    assert stored.results[1] == StoredResult(retried["cell_id"], retried["cell"], retried["record"], retried["seconds"])
+    assert stored.results[1] == StoredResult(retried["cell_id"], retried["cell"], Record.from_json(retried["record"]),
+                                             retried["seconds"])
 
 
 def test_read_results_names_a_missing_store(tmp_path):

@@ -3,7 +3,6 @@ formats, the paper's numbers beside ours, the paper's own marks reproduced, and 
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import io
@@ -18,14 +17,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rcpu_bench.commands import main
 from rcpu_bench.matrix.store import StoredResult, read_results
 from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.tables import results as values
-from rcpu_bench.tables.layout import make_tables, spec
+from rcpu_bench.tables.layout import spec
 from rcpu_bench.tables.paper import PaperNumbers, mark_disagreements, paper_table, read_paper
 from rcpu_bench.tables.render import latex_power_of_ten, render
 from rcpu_bench.tables.table import rank_marks, table_marks
-from rcpu_bench.tables.tables import add_parser, cmd_tables
+from rcpu_bench.tables.tables import make_tables
 
 MIB = 2**20
 PRUNE_DEFAULTS: dict[str, Any] = {  # PruneConfig's fields and defaults, as a record stores them
@@ -526,9 +526,7 @@ def test_bad_names_are_reported_with_the_allowed_ones(call, message):
 # ------------------------------------------------------------------------------------------------------ CLI
 
 def run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rcpu-bench")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    return cmd_tables(parser.parse_args(["tables", *argv]))
+    return main(["tables", *argv])
 
 
 @pytest.fixture

@@ -21,11 +21,11 @@ from rcpu_bench.cli import main
 from rcpu_bench.evaluation import zeroshot
 from rcpu_bench.evaluation.tasks import utils
 from rcpu_bench.evaluation.zeroshot import METRIC_MAPS, TASKS, builtin_yaml, evaluate_zeroshot, local_task_config
-from rcpu_bench.matrix.records import read_records
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.model.persistence import save_pruned
 from rcpu_bench.paths import data_dir
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
+from rcpu_bench.records import read_records
 
 DATA = or_missing(data_dir)
 ZEROSHOT = DATA / "zeroshot"
@@ -435,7 +435,7 @@ def test_eval_command_reports_bad_input_before_work(tmp_path, capsys, args, mess
     out = tmp_path / "runs.jsonl"
     code = run_eval(["--model", str(STORIES), "--source", "local", *args, "--out", str(out)])
     err = capsys.readouterr().err
-    assert code == 2 and "rcpu-bench: error:" in err and message in err
+    assert code == 2 and "rcpu-bench eval: error:" in err and message in err
     assert not out.exists()
 
 

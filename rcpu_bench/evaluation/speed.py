@@ -2,22 +2,18 @@
 
 Measured on random token ids (speed does not depend on them), so no data or tokenizer is needed and
 the caller's random state is untouched. Reported beside the model's size in every experiment record
-(``record["inference"]``): the dense cell of a matrix gives the dense figure, so a pruned model's
-speed-up is the ratio of two records measured the same way.
+(``Record.inference``, at batch size :data:`BATCH_SIZE`): the dense cell of a matrix gives the dense figure, so
+a pruned model's speed-up is the ratio of two records measured the same way. ``rcpu-bench speed``
+(:mod:`rcpu_bench.commands.speed`) measures saved or hub models.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
-
-from rcpu_bench import console
-from rcpu_bench.model.loading import add_model_options
 
 BATCH_SIZE = 1
 PROMPT_TOKENS = 128
@@ -57,6 +53,22 @@ def prefill_and_decode(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[
     return prefill, decoding
 
 
+def check_counts(**counts: int) -> None:
+    """ValueError naming the first of ``counts`` (batch_size, prompt_tokens, ...) that is not a positive integer."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def rates(runs: list[tuple[float, float]], *, batch_size: int, prompt_tokens: int,
+          new_tokens: int) -> tuple[float, float]:
+    """(prefill, decode) tokens/s from (prefill seconds, decode seconds) runs: batch_size · prompt_tokens /
+    median t_prefill and batch_size · new_tokens / median t_decode."""
+    prefill = statistics.median(run[0] for run in runs)
+    decode = statistics.median(run[1] for run in runs)
+    return batch_size * prompt_tokens / prefill, batch_size * new_tokens / decode
+
+
 def inference_speed(model: Any, *, batch_size: int = BATCH_SIZE, prompt_tokens: int = PROMPT_TOKENS,
                     new_tokens: int = NEW_TOKENS, repeats: int = REPEATS, seed: int = 0) -> dict[str, Any]:
     """Prefill and decode throughput of ``model`` on its device, after an untimed warm-up (a prefill and one step).
@@ -67,10 +79,7 @@ def inference_speed(model: Any, *, batch_size: int = BATCH_SIZE, prompt_tokens: 
     (``prefill_and_decode``). Returns exactly batch_size, prompt_tokens, new_tokens,
     prefill_tokens_per_s, decode_tokens_per_s, device and repeats.
     """
-    for name, value in (("batch_size", batch_size), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens),
-                        ("repeats", repeats)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_counts(batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats)
     limit = model.config.max_position_embeddings
     if prompt_tokens + new_tokens > limit:
         raise ValueError(f"prompt_tokens + new_tokens = {prompt_tokens + new_tokens} exceeds the model's "
@@ -80,61 +89,6 @@ def inference_speed(model: Any, *, batch_size: int = BATCH_SIZE, prompt_tokens: 
     ids = torch.randint(model.config.vocab_size, (batch_size, prompt_tokens), generator=generator).to(device)
     prefill_and_decode(model, ids, 1)  # warm-up of both kinds of step (kernels, allocator, lazy initialisation)
     runs = [prefill_and_decode(model, ids, new_tokens) for _ in range(repeats)]
-    prefill = statistics.median(run[0] for run in runs)
-    decode = statistics.median(run[1] for run in runs)
+    prefill, decode = rates(runs, batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
     return {"batch_size": batch_size, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-            "prefill_tokens_per_s": batch_size * prompt_tokens / prefill,
-            "decode_tokens_per_s": batch_size * new_tokens / decode, "device": str(device), "repeats": repeats}
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-
-
-def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add the ``speed`` subcommand to an ``add_subparsers()`` object and return its parser."""
-    p = commands.add_parser("speed", help="parameters and inference speed (prefill and decode tokens/s) of models",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", action="append", metavar="DIR_OR_ID",
-                   help="saved pruned directory, model directory or hub id (repeatable; default: the "
-                   "stories260K-mha fixture in the shared directory)")
-    p.add_argument("--eval-batch-size", type=int, default=BATCH_SIZE, help="sequences per timed forward pass")
-    p.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
-    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-    p.add_argument("--repeats", type=int, default=REPEATS)
-    add_model_options(p)
-    console.add_quiet_option(p)
-    p.set_defaults(func=cmd_speed)
-    return p
-
-
-def cmd_speed(args: argparse.Namespace) -> int:
-    """``rcpu-bench speed``: check the models, then one line per model: parameters, prefill and decode tokens/s."""
-    from tabulate import tabulate
-
-    from rcpu_bench.evaluation.eval_command import check_models, load_saved_or_model
-    from rcpu_bench.matrix.experiment import (
-        default_model,  # experiment imports this module for record["inference"]
-    )
-    from rcpu_bench.model.loading import parameter_count
-
-    names = args.model or [default_model()]
-    try:
-        check_models(names, args)
-    except (ValueError, OSError) as error:
-        print(f"rcpu-bench: error: {error}", file=sys.stderr)
-        return 2
-    rows = []
-    for name in names:
-        model = load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device).model
-        try:
-            speed = inference_speed(model, batch_size=args.eval_batch_size, prompt_tokens=args.prompt_tokens,
-                                    new_tokens=args.new_tokens, repeats=args.repeats)
-        except ValueError as error:
-            print(f"rcpu-bench: error: {error}", file=sys.stderr)
-            return 2
-        rows.append((name, f"{parameter_count(model):,}", f"{speed['prefill_tokens_per_s']:,.0f}",
-                     f"{speed['decode_tokens_per_s']:,.0f}"))
-    print(tabulate(rows, headers=["model", "parameters", "prefill tokens/s", "decode tokens/s"]))
-    print(f"batch {args.eval_batch_size}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, median of "
-          f"{args.repeats} after a warm-up, on {args.device}")
-    return 0
+            "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode, "device": str(device), "repeats": repeats}

@@ -16,7 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from rcpu_bench.matrix.experiment import Experiment
+from rcpu_bench.experiment import Experiment
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.options import MODULES, PruneConfig

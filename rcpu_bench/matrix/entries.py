@@ -13,8 +13,8 @@ from itertools import product
 from typing import Any
 
 from rcpu_bench import data
+from rcpu_bench.experiment import DEFAULT_CALIB
 from rcpu_bench.matrix.cells import SHARED, portable
-from rcpu_bench.matrix.experiment import DEFAULT_CALIB
 from rcpu_bench.matrix.schema import (
     REQUIRED,
     Key,

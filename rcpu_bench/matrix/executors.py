@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from rcpu_bench.matrix.experiment import run_experiment
+from rcpu_bench.experiment import run_experiment
 from rcpu_bench.matrix.ray_resources import (
     ClusterShape,
     assigned_device,
@@ -36,6 +36,7 @@ from rcpu_bench.matrix.reuse import LayerInputCache, capture_key
 from rcpu_bench.matrix.spec import Cell
 from rcpu_bench.matrix.store import error_info, make_entry
 from rcpu_bench.model.loading import LoadedModel, load_model
+from rcpu_bench.records import Record
 from rcpu_bench.registry import Registry
 
 EXECUTORS = ("local", "ray")
@@ -96,8 +97,8 @@ class ModelCache:
                            {**self._dense.provenance, "device": device})
 
 
-def _check_finite(record: dict[str, Any]) -> None:
-    values = {"calibration": record["calibration_ppl"], **{p["profile"]: p["ppl"] for p in record["perplexity"]}}
+def _check_finite(record: Record) -> None:
+    values = {"calibration": record.calibration_ppl, **{p["profile"]: p["ppl"] for p in record.perplexity}}
     bad = {name: value for name, value in values.items() if not math.isfinite(value)}
     if bad:
         raise FloatingPointError(f"non-finite perplexity: {bad}")

@@ -31,9 +31,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from rcpu_bench.matrix.lambda_rules import choose
 from rcpu_bench.matrix.spec import Cell
 from rcpu_bench.matrix.store import OK, StoredResult
-from rcpu_bench.tables.lambda_rules import choose
 
 ZEROSHOT = "zeroshot"
 PHASE_PPL = "ppl"  # a λ-grid cell's entry of phase 1: pruning and perplexity, zero-shot deferred

@@ -15,7 +15,7 @@ An entry (read by the tables; keep the format)::
      "error": null | {"type", "message", "traceback"},
      "cell": {"matrix", "model", "model_label", "method", "method_label", "ratio", "n_calib", "seqlen",
               "calib", "lam", "prune", "ppl_profiles", "eval", "revision", "dtype", "device"},
-     "record": <run_experiment's record> | null, "finished_at": ISO time, "seconds": float}
+     "record": <run_experiment's Record, as JSON> | null, "finished_at": ISO time, "seconds": float}
 
 A cell may have several entries (a failure, then a retry); the newest one counts.
 """
@@ -35,9 +35,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from rcpu_bench.matrix.records import STORE_FILE, append_record, read_records
+from rcpu_bench.records import Record, append_record, read_records
 
-RECORDS = STORE_FILE
+RECORDS = "records.jsonl"
 OK, FAILED = "ok", "failed"
 RESULTS_ROOT = Path("results")
 
@@ -64,15 +64,16 @@ def error_info(error: BaseException) -> dict[str, str]:
             "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__))}
 
 
-def make_entry(cell: StoredCell, *, seconds: float, record: dict[str, Any] | None = None,
+def make_entry(cell: StoredCell, *, seconds: float, record: Record | None = None,
                error: dict[str, str] | None = None) -> dict[str, Any]:
     """The store entry of a finished cell: ok with its record, or failed with its error."""
     return {"cell_id": cell.id, "status": FAILED if error else OK, "error": error, "cell": cell.to_dict(),
-            "record": record, "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "record": None if record is None else record.to_json(),
+            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "seconds": seconds}
 
 
-class StoreBusyError(RuntimeError):
+class StoreBusyError(OSError):
     """Another process is writing the same store."""
 
 
@@ -132,17 +133,17 @@ class Store:
 class StoredResult:
     """A finished cell (``status == "ok"``) of a store: the cell it ran and run_experiment's record.
 
-    The fields below are what every reader uses; ``cell`` and ``record`` keep the whole entry."""
+    The fields below are what every reader uses; ``cell`` keeps the whole cell."""
 
     cell_id: str
     cell: dict[str, Any]
-    record: dict[str, Any]
+    record: Record
     seconds: float
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> StoredResult:
         """The result of a finished store entry (see the module docstring for the entry's format)."""
-        return cls(entry["cell_id"], entry["cell"], entry["record"], entry.get("seconds", 0.0))
+        return cls(entry["cell_id"], entry["cell"], Record.from_json(entry["record"]), entry.get("seconds", 0.0))
 
     @property
     def model_label(self) -> str:
@@ -164,7 +165,7 @@ class StoredResult:
     @property
     def prune(self) -> dict[str, Any]:
         """The PruneConfig fields the run recorded."""
-        return self.record["experiment"]["prune"]
+        return self.record.experiment["prune"]
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class StoredResults:
 
 # The fields every reader of a finished entry relies on.
 REQUIRED = {"cell": ("model_label", "method_label", "ratio", "n_calib"),
-            "record": ("experiment", "perplexity", "parameters", "timing", "peak_memory_bytes")}
+            "record": Record.required()}
 
 
 def read_results(results_dir: str | Path, *, missing_ok: bool = False) -> StoredResults:

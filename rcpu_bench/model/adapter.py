@@ -2,12 +2,14 @@
 
 Everything that touches a model's modules (the pipeline, surgery, persistence, FLAP's AL-AM structure,
 the SliceGPT plugin) goes through ``model_view(model)`` / ``layer_view(layer)``
-(``rcpu_bench.model.views``); module names are known only to the family (``rcpu_bench.model.llama``).
+(``rcpu_bench.model.views``); module names are known only to the families (``rcpu_bench.model.llama``,
+the shared Llama-like base, and ``rcpu_bench.model.families``, each family's differences as data).
 
-To add a family: subclass ``LayerView`` and ``ModelView`` (its projections, blocks, norms, geometry and the
-removal of heads and channels through ``rcpu_bench.model.surgery``; its decoder layers, embeddings, head
-and saved config) and append the ``ModelView`` subclass to ``FAMILIES``. The first family whose
-``problem`` is None handles a model.
+A model is handled by the family whose model types include its ``config.model_type`` (and whose layer
+structure it has); a layer alone by the first family whose layer structure fits it (families with the same
+layer structure have the same view). Model types in ``families.REFUSED`` (mixtures of experts) are refused
+with what is missing. To add a Llama-like family: a module in ``rcpu_bench.model.families``; any other
+family: subclass ``LayerView`` and ``ModelView`` and append the ``ModelView`` subclass to ``FAMILIES``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from __future__ import annotations
 from torch import nn
 from transformers import PreTrainedModel
 
-from rcpu_bench.model.llama import LlamaModel
+from rcpu_bench.model import families
+from rcpu_bench.model.llama import views
 from rcpu_bench.model.views import LayerGeometry, LayerView, ModelView
 
-FAMILIES: tuple[type[ModelView], ...] = (LlamaModel,)
+FAMILIES: tuple[type[ModelView], ...] = tuple(views(family) for family in families.FAMILIES)
 
 
 def supported() -> str:
@@ -27,15 +30,20 @@ def supported() -> str:
 
 
 def _family(model: nn.Module) -> type[ModelView]:
-    """The first family that handles ``model``; ValueError naming the model class, the problem and what is supported."""
+    """The family that handles ``model``; ValueError naming the model class, the problem and what is supported."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in families.REFUSED:
+        raise ValueError(f"unsupported architecture {type(model).__name__} (model_type {model_type!r}): "
+                         f"{families.REFUSED[model_type]}; supported: {supported()}")
     problems = []
     for family in FAMILIES:
         problem = family.problem(model)
         if problem is None:
             return family
         problems.append(problem)
-    raise ValueError(f"unsupported architecture {type(model).__name__}: {'; '.join(problems)}; "
-                     f"supported: {supported()}")
+    matching = [p for p in problems if not p.startswith("model_type ")]  # the family of its model type, if any
+    reason = matching[0] if matching else f"model_type {model_type!r} is not a supported family's"
+    raise ValueError(f"unsupported architecture {type(model).__name__}: {reason}; supported: {supported()}")
 
 
 def check_architecture(model: nn.Module) -> None:
@@ -73,3 +81,12 @@ def layer_geometries(model: PreTrainedModel) -> list[LayerGeometry]:
 def layer_geometry(layer: nn.Module) -> LayerGeometry:
     """The current geometry of one decoder layer."""
     return layer_view(layer).geometry
+
+
+def check_prunable(model: nn.Module, modules: tuple[str, ...] | list[str]) -> None:
+    """Raise ValueError, before any work, if a layer's ``modules`` cannot be pruned exactly (``LayerView.refusal``)."""
+    for i, view in enumerate(model_view(model).views()):
+        for module in modules:
+            refusal = view.refusal(module)
+            if refusal:
+                raise ValueError(f"cannot prune {module} of {type(model).__name__} (layer {i}): {refusal}")

@@ -25,7 +25,7 @@ from transformers import (
 )
 from transformers.utils.hub import cached_file, extract_commit_hash
 
-from rcpu_bench.model.adapter import check_architecture, supported
+from rcpu_bench.model.adapter import check_architecture, check_prunable, supported
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
                                   "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,8 +91,9 @@ def model_source(name_or_path: str) -> str:
     return name_or_path
 
 
-def _check_supported(config: PretrainedConfig) -> None:
-    """Build a weightless (meta) skeleton of ``config``'s causal LM and check its shape."""
+def _check_supported(config: PretrainedConfig, prune: tuple[str, ...] = ()) -> None:
+    """Build a weightless (meta) skeleton of ``config``'s causal LM and check its shape, and that its ``prune``
+    modules can be pruned exactly (``adapter.check_prunable``)."""
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     try:
         with torch.device("meta"):
@@ -101,14 +102,17 @@ def _check_supported(config: PretrainedConfig) -> None:
         raise ValueError(f"unsupported architecture {architecture}: no causal-LM model for this config; "
                          f"supported: {supported()}") from None
     check_architecture(skeleton)
+    check_prunable(skeleton, prune)
 
 
-def load_config(name_or_path: str, revision: str | None = None) -> tuple[PretrainedConfig, str | None]:
-    """The model's config, checked on a weightless skeleton, and the Hub commit it came from (None if local)."""
+def load_config(name_or_path: str, revision: str | None = None, *,
+                prune: tuple[str, ...] = ()) -> tuple[PretrainedConfig, str | None]:
+    """The model's config, checked on a weightless skeleton (its ``prune`` modules too), and the Hub commit it came
+    from (None if local)."""
     source = model_source(name_or_path)
     commit = extract_commit_hash(cached_file(source, "config.json", revision=revision), None)
     config = AutoConfig.from_pretrained(source, revision=commit or revision)
-    _check_supported(config)
+    _check_supported(config, prune)
     return config, commit
 
 

@@ -36,16 +36,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_file
+from safetensors.torch import load_model as load_weights
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from rcpu_bench.matrix.records import library_versions
 from rcpu_bench.model.adapter import model_view
 from rcpu_bench.model.hf_format import RcpuLlamaConfig, RcpuLlamaForCausalLM, write_source
-from rcpu_bench.model.loading import LoadedModel, dtype_argument, parameter_count, resolve_device, resolve_dtype
-from rcpu_bench.model.views import LayerView
-from rcpu_bench.pruning.methods import MODULES
+from rcpu_bench.model.loading import (
+    LoadedModel,
+    dtype_argument,
+    load_config,
+    load_model,
+    model_source,
+    parameter_count,
+    resolve_device,
+    resolve_dtype,
+)
+from rcpu_bench.model.views import MODULES, LayerView
+from rcpu_bench.records import library_versions
 
 FORMAT = "rcpu-bench-pruned"
 FORMAT_VERSION = 2
@@ -275,7 +284,7 @@ def materialize(skeleton: PreTrainedModel, directory: Path, weights: str, expect
     skeleton.to_empty(device=torch_device)
     skeleton.init_weights()  # re-ties the embeddings (the weights themselves are overwritten below)
     recompute_rotary(skeleton)
-    load_model(skeleton, directory / weights, strict=True, device=str(torch_device))
+    load_weights(skeleton, directory / weights, strict=True, device=str(torch_device))
     count = parameter_count(skeleton)
     if count != expected_count:
         raise ValueError(f"the rebuilt model has {count} parameters; the manifest says {expected_count}")
@@ -321,3 +330,28 @@ def load_saved(directory: str | os.PathLike, *, dtype: str = "float32", device: 
     if method.load is None:
         raise ValueError(f"the model method {method.name!r} ({method.provider}) registered no load function")
     return method.load(directory, dtype=dtype, device=device)
+
+
+def pruned_directory(name: str) -> Path | None:
+    """``name`` as a directory written by ``save_pruned`` (it has a manifest), or None."""
+    path = Path(name).expanduser()
+    return path if (path / MANIFEST).is_file() else None
+
+
+def check_model_argument(name: str, revision: str | None) -> None:
+    """Reject a missing path, a pruned directory without tokenizer, or an unsupported model, before loading."""
+    directory = pruned_directory(model_source(name))
+    if directory is None:
+        load_config(name, revision)
+        return
+    read_manifest(directory)
+    if not (directory / "tokenizer_config.json").is_file():
+        raise ValueError(f"{directory} has no tokenizer (save_pruned was called without one)")
+
+
+def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str) -> LoadedModel:
+    """``load_saved`` for a directory written by save_pruned (or a model method), else ``load_model``."""
+    directory = pruned_directory(name)
+    if directory is not None:
+        return load_saved(directory, dtype=dtype, device=device)
+    return load_model(name, dtype=dtype, device=device, revision=revision)

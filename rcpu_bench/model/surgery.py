@@ -8,10 +8,10 @@ compensated weight over the kept columns, and a bias when one is given.
 
 ``physical=True`` slices the weights, so shapes shrink; ``physical=False`` keeps every shape, zeroes
 what pruning would remove and writes the compensated weight into the kept columns: the reference for the
-physical version, and the ``--unstr``-style model. Both go through one helper, ``_rewrite``. Which
-linears play which part, and the module attributes that follow the new counts, are the family's
-(``rcpu_bench.model.llama``); the model's config is left as it was, so read head counts from
-``rcpu_bench.model.views.LayerGeometry``.
+physical version, and the ``--unstr``-style model. Both go through one helper, ``rewrite``. Which
+linears play which part (a fused projection's rows are ``stacked``), and the module attributes that
+follow the new counts, are the family's (``rcpu_bench.model.llama``); the model's config is left as it
+was, so read head counts from ``rcpu_bench.model.views.LayerGeometry``.
 
 Index tensors must be 1-D, non-empty, strictly increasing and in range. Weights and biases keep the
 dtype and device of the module they replace.
@@ -101,12 +101,29 @@ def _set_columns(linear: nn.Linear, columns: Selection, weight: Tensor, bias: Te
     _set_linear(linear, weight, linear.bias if bias is None else bias.to(**like, copy=True))
 
 
-def _rewrite(producers: Sequence[tuple[nn.Linear, Selection]], consumer: nn.Linear, columns: Selection,
-             weight: Tensor, bias: Tensor | None, *, physical: bool) -> None:
-    """Prune (or mask) the producers' output rows and the consumer's input columns of one block."""
+def rewrite(producers: Sequence[tuple[nn.Linear, Selection]], consumer: nn.Linear, columns: Selection,
+            weight: Tensor, bias: Tensor | None, *, physical: bool) -> None:
+    """Prune (or mask) the producers' output rows and the consumer's input columns of one block.
+
+    The consumer (o_proj, down_proj) becomes d_out × len(columns.kept) with ``weight`` (compensated, columns in
+    kept order) and ``bias`` if given; each producer keeps its rows (a fused producer: ``stacked`` rows).
+    """
     _set_columns(consumer, columns, weight, bias, physical)  # validates shapes before anything changes
     for linear, rows in producers:
         _keep_rows(linear, rows, physical)
+
+
+def stacked(*segments: Selection) -> Selection:
+    """The rows of a fused projection whose output stacks ``segments`` in order (Phi-3's q|k|v, gate|up).
+
+    Row r of segment j is row o_j + r, with o_j the total size (kept + pruned) of the segments before it.
+    """
+    kept, pruned, offset = [], [], 0
+    for segment in segments:
+        kept.append(segment.kept + offset)
+        pruned.append(segment.pruned + offset)
+        offset += len(segment.kept) + len(segment.pruned)
+    return Selection(torch.cat(kept), torch.cat(pruned))
 
 
 def head_counts(queries: nn.Linear, keys: nn.Linear, head_dim: int) -> tuple[int, int]:
@@ -131,29 +148,19 @@ def heads_of_columns(columns: Tensor, head_dim: int) -> Tensor:
     return heads
 
 
-def rewrite_heads(queries: Sequence[nn.Linear], keys_values: Sequence[nn.Linear], consumer: nn.Linear, head_dim: int,
-                  kept_heads: Tensor, kept_kv_heads: Tensor, weight: Tensor, bias: Tensor | None = None, *,
-                  physical: bool = True) -> int:
-    """Prune (or mask) query and key/value heads; returns the new number of query heads per kv head.
+def head_rows(n_heads: int, n_kv_heads: int, head_dim: int, kept_heads: Tensor,
+              kept_kv_heads: Tensor) -> tuple[Selection, Selection, int]:
+    """Validated rows of the kept query heads and of the kept key/value heads, and the new queries per kv head.
 
-    The ``queries`` keep the rows of the kept query heads, the ``keys_values`` those of the kept kv heads, and
-    the ``consumer`` (o_proj) becomes d_out × len(kept_heads)·head_dim with ``weight`` (compensated, columns in
-    kept order) and ``bias`` if given. Whole kv groups may be pruned (MHA: groups of one), or every kv head
-    kept with the same number of query heads pruned in each group (``check_head_groups``).
+    Whole kv groups may be pruned (MHA: groups of one), or every kv head kept with the same number of query
+    heads pruned in each group (``check_head_groups``). Query rows are also the consumer's (o_proj's) columns.
     """
-    n_heads, n_kv_heads = head_counts(queries[0], keys_values[0], head_dim)
     heads = _selection("kept_heads", kept_heads, n_heads)
     kv_heads = _selection("kept_kv_heads", kept_kv_heads, n_kv_heads)
     groups = check_head_groups(heads.kept, kv_heads.kept, n_heads // n_kv_heads)
-    q_rows, kv_rows = heads.columns(head_dim), kv_heads.columns(head_dim)
-    producers = [(linear, q_rows) for linear in queries] + [(linear, kv_rows) for linear in keys_values]
-    _rewrite(producers, consumer, q_rows, weight, bias, physical=physical)
-    return groups
+    return heads.columns(head_dim), kv_heads.columns(head_dim), groups
 
 
-def rewrite_channels(producers: Sequence[nn.Linear], consumer: nn.Linear, kept: Tensor, weight: Tensor,
-                     bias: Tensor | None = None, *, physical: bool = True) -> None:
-    """Prune (or mask) intermediate channels: the producers (gate, up) keep rows ``kept``, the consumer (down)
-    becomes d_out × len(kept) with ``weight`` (compensated, columns in kept order) and ``bias`` if given."""
-    channels = _selection("kept channels", kept, producers[0].out_features)
-    _rewrite([(linear, channels) for linear in producers], consumer, channels, weight, bias, physical=physical)
+def channel_rows(kept: Tensor, n_channels: int) -> Selection:
+    """Validated kept intermediate channels: rows of each producer (gate, up), columns of the consumer (down)."""
+    return _selection("kept channels", kept, n_channels)

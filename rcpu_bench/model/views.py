@@ -1,12 +1,13 @@
 """What the harness asks of a decoder model, whatever its family: per-layer and model-level views.
 
-A decoder layer has two prunable modules (``rcpu_bench.pruning.methods.MODULES``): ``"attention"``,
+A decoder layer has two prunable modules (:data:`MODULES`): ``"attention"``,
 whose pruned projection (the *consumer*) is the output projection, its input columns grouped into query
 heads of ``head_dim``; and ``"mlp"``, whose consumer is the down projection, one column per intermediate
 channel. The *producers* are the projections whose output rows go with those columns (methods-spec §3.1):
 query, key and value rows for a head or key/value group, gate and up rows for a channel.
 
-A family (``rcpu_bench.model.llama``) subclasses ``LayerView`` and ``ModelView`` and names its modules;
+A family (``rcpu_bench.model.llama``, the Llama-like base of ``rcpu_bench.model.families``) subclasses
+``LayerView`` and ``ModelView`` and names its modules;
 ``rcpu_bench.model.adapter`` lists the families. Everything else here (geometry, units, their parameter
 cost, applying a selection) follows from the projections' current shapes, because layers differ after
 pruning.
@@ -23,9 +24,9 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from rcpu_bench.model.surgery import heads_of_columns
-from rcpu_bench.pruning.methods import MODULES  # re-exported by rcpu_bench.model for plugins
 from rcpu_bench.selection.select import Selection
 
+MODULES = ("attention", "mlp")  # the prunable modules of a decoder layer: heads (o_proj) and channels (down_proj)
 GQA_RULES = ("group", "query")
 
 
@@ -96,6 +97,14 @@ class LayerView(ABC):
     def prune_channels(self, kept: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                        physical: bool = True) -> None:
         """Keep intermediate channels ``kept`` (``rcpu_bench.model.surgery``)."""
+
+    def post_norm(self, module: str) -> nn.Module | None:
+        """The norm the module's output goes through before the residual (Gemma's sandwich norms), or None."""
+        return None
+
+    def refusal(self, module: str) -> str | None:
+        """Why the module's units cannot be removed exactly in this layer (OLMo-2's heads), or None."""
+        return None
 
     def projection(self, module: str) -> nn.Linear:
         """The module's pruned projection (consumer), whose input columns the units are."""

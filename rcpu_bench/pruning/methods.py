@@ -23,7 +23,7 @@ from typing import Any
 from rcpu_bench.pruning.options import BY_NAME, MODULES, RECIPE_OPTIONS
 
 __all__ = ["CUSTOM", "MODULES", "RECIPES", "Recipe", "cell_label", "get_recipe", "label_of", "method_label",
-           "recipe_of"]
+           "percent", "recipe_of"]
 CUSTOM = "custom"  # the key of a cell whose final configuration is no recipe, or that a matrix named itself
 
 
@@ -118,3 +118,8 @@ def cell_label(cell: Mapping[str, Any]) -> str:
     """The label of a stored matrix cell by today's rule: a name the matrix gave (key ``custom``) is kept, any
     other label is recomputed from the cell's final configuration (stores written before the rule may differ)."""
     return method_label(cell["prune"], cell["method_label"] if cell["method"] == CUSTOM else None)
+
+
+def percent(ratio: float) -> str:
+    """A pruning ratio as the tables, plots and plans write it: 0.25 -> ``25%``."""
+    return f"{round(ratio * 100, 6):g}%"

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_type_hints
 
+from rcpu_bench.model.views import MODULES
 from rcpu_bench.selection.select import Rounding, n_pruned
 from rcpu_bench.statistics.activations import GramPrecision
 
@@ -25,9 +26,8 @@ if TYPE_CHECKING:
     from rcpu_bench.registry import Registry
 
 AL_AM, UNIFORM = "al-am", "uniform"  # the allocations the pipeline computes itself (rcpu_bench.pruning.allocation)
-MODULES = ("attention", "mlp")  # the prunable modules of a decoder layer: heads (o_proj) and channels (down_proj)
 
-Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count", "windows"]
+Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count", "windows", "multiple"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class Option:
 
     ``kind``: ``name`` a registered method's name (checked against the registry), ``params`` its keyword
     parameters (``--x-param K=V``, repeatable), ``ratio`` a number in [0, 1), ``choice`` one of ``choices``,
-    ``modules`` a subset of :data:`MODULES`, ``flag`` a boolean, ``count`` an integer >= 1, ``windows`` an integer >= 0.
+    ``modules`` a subset of :data:`MODULES`, ``flag`` a boolean, ``count`` an integer >= 1, ``windows`` an integer >= 0,
+    ``multiple`` an integer >= 0 (0: off).
     """
 
     name: str
@@ -61,7 +62,8 @@ class Option:
         return {"name": "a registered name (rcpu-bench plugins)", "params": "a mapping of parameters",
                 "ratio": "a number in [0, 1)", "choice": ", ".join(self.choices),
                 "modules": f"a subset of {', '.join(MODULES)}", "flag": "true, false",
-                "count": "an integer >= 1", "windows": "an integer >= 0"}[self.kind]
+                "count": "an integer >= 1", "windows": "an integer >= 0",
+                "multiple": "an integer >= 0 (0: off)"}[self.kind]
 
     def check(self, value: Any) -> None:
         """Raise ValueError naming the option, the bad value and what is allowed; registry names are not looked up."""
@@ -151,6 +153,10 @@ class PruneConfig:
     holdout: int = option("windows", 0, "held-out calibration windows, disjoint from the calibration ones: record "
                           "each module's calibration and held-out reconstruction error (record['generalisation'])",
                           hashed="when-set")
+    round_to: int = option("multiple", 0, "round each pruned module's kept width (o_proj / down_proj input columns) "
+                           "to the nearest multiple of N channels, with whole units (heads of a key/value group, "
+                           "channels), for the inference kernels' sake (e.g. 32 for llama.cpp's q8_0, 64, 128); "
+                           "0: off", hashed="when-set")
 
     def __post_init__(self) -> None:
         """``allocation='al-am'`` is FLAP's adaptive structure, the ``structure`` option that came first: store it
@@ -178,6 +184,12 @@ class PruneConfig:
         if self.holdout and (self.model_method is not None or self.recollect_mlp):
             raise ValueError(f"holdout={self.holdout} needs the layer-wise pipeline without recollect_mlp; allowed: "
                              "holdout=0 with a whole-model method or recollect_mlp")
+        if self.round_to and (self.model_method is not None or self.gqa_rule != "group"):
+            raise ValueError(f"round_to={self.round_to} needs the layer-wise pipeline with gqa_rule='group'; "
+                             "allowed: round_to=0 with a whole-model method or gqa_rule='query'")
+        if self.round_to and registry.selection(self.scorer).kind == "selector" and self.structure != AL_AM:
+            raise ValueError(f"round_to={self.round_to} rounds by unit scores, which the selector {self.scorer!r} does "
+                             "not give; allowed: round_to=0 with a selector, or a scorer")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -247,7 +259,7 @@ def parse_modules(text: str) -> tuple[str, ...]:
 
 def _metavar(option: Option) -> str | None:
     metavars = {"name": "NAME", "params": "KEY=VALUE", "ratio": "RHO", "modules": "MODULES", "count": "N",
-                "windows": "N"}
+                "windows": "N", "multiple": "N"}
     return metavars.get(option.kind)
 
 
@@ -261,7 +273,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs.update(action="append", default=[], type=parse_param, metavar="KEY=VALUE")
         else:
             default = ",".join(option.default) if option.kind == "modules" else option.default  # parsed by argparse
-            kinds = {"ratio": float, "count": int, "windows": int, "modules": parse_modules}
+            kinds = {"ratio": float, "count": int, "windows": int, "multiple": int, "modules": parse_modules}
             kwargs.update(default=default, metavar=_metavar(option), type=kinds.get(option.kind, str))
             if option.kind == "choice":
                 kwargs.update(choices=option.choices, metavar=None)

@@ -26,14 +26,14 @@ from torch import Tensor, nn
 
 from rcpu_bench import console
 from rcpu_bench.compensation.diagnostics import module_generalisation
-from rcpu_bench.model.adapter import decoder_layers, layer_view, model_view
+from rcpu_bench.model.adapter import check_prunable, decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
-from rcpu_bench.model.views import UnitMap
-from rcpu_bench.pruning.allocation import AL_AM, AL_AM_SCORER, al_am, layer_units, units_to_prune
+from rcpu_bench.model.views import LayerView, UnitMap
+from rcpu_bench.pruning.allocation import AL_AM, AL_AM_SCORER, Unit, al_am, layer_units, units_to_prune
 from rcpu_bench.pruning.options import MODULES, PruneConfig
 from rcpu_bench.registry import Registry, Resolved, default_registry
 from rcpu_bench.selection.scorers import unit_scores
-from rcpu_bench.selection.select import Selection, select_lowest, select_within_groups
+from rcpu_bench.selection.select import Selection, kept_multiple, round_kept, select_lowest, select_within_groups
 from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
 
 
@@ -56,12 +56,16 @@ class Timer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def select_units(mapping: UnitMap, scores: Tensor, n_prune: int, how: str) -> Selection:
-    """The scorer's selection: the ``n_prune`` lowest unit scores pruned, split equally over GQA groups if any."""
+def select_units(mapping: UnitMap, scores: Tensor, n_prune: int, how: str, round_to: int = 0) -> Selection:
+    """The scorer's selection: the ``n_prune`` lowest unit scores pruned, split equally over GQA groups if any;
+    with ``round_to``, the kept width rounded to a multiple of that many channels (``round_kept``)."""
     units = unit_scores(scores, mapping.unit_size, how)  # type: ignore[arg-type]
     if mapping.group_size > 1:
         return select_within_groups(units, mapping.group_size, n_prune // (units.numel() // mapping.group_size))
-    return select_lowest(units, n_prune)
+    selection = select_lowest(units, n_prune)
+    if round_to:
+        return round_kept(selection, units, kept_multiple(round_to, mapping.unit_size))
+    return selection
 
 
 def select(weight: Tensor, stats: ActivationStats, mapping: UnitMap, n_prune: int, config: PruneConfig,
@@ -70,7 +74,8 @@ def select(weight: Tensor, stats: ActivationStats, mapping: UnitMap, n_prune: in
     selection = methods.selection
     if selection.kind == "selector":
         return selection(weight, stats, mapping, n_prune, **config.scorer_params)
-    return select_units(mapping, selection(weight, stats, **config.scorer_params), n_prune, config.head_aggregation)
+    scores = selection(weight, stats, **config.scorer_params)
+    return select_units(mapping, scores, n_prune, config.head_aggregation, config.round_to)
 
 
 def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: PruneConfig, methods: Resolved,
@@ -96,9 +101,29 @@ def prune_module(layer: nn.Module, module: str, stats: ActivationStats, config: 
         result = compensator(proj.weight, stats, columns.kept, columns.pruned, **params)
     diagnostics = {} if held_out is None else {
         "generalisation": module_generalisation(proj.weight, stats, held_out, columns.kept, compensator.name, result)}
-    view.apply(module, columns, result.weight, result.bias)
+    view.apply(module, columns, result.weight, added_bias(proj.bias, result.bias))
     return {"compensator": compensator.name, "units_total": len(units.kept) + len(units.pruned),
-            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info, **diagnostics}
+            "units_pruned": len(units.pruned), "pruned_units": units.pruned.tolist(), **result.info, **diagnostics,
+            **post_norm_notes(view, module, result.info)}
+
+
+def added_bias(existing: Tensor | None, compensation: Tensor | None) -> Tensor | None:
+    """The consumer's new bias: a compensator's bias adds to the existing one (FLAP: b₀ + W_D μ_D); None keeps it."""
+    if compensation is None or existing is None:
+        return compensation
+    return existing.detach() + compensation
+
+
+def post_norm_notes(view: LayerView, module: str, info: dict[str, Any]) -> dict[str, bool]:
+    """Notes for a module whose output goes through a norm before the residual (Gemma's sandwich norms).
+
+    An RMSNorm divides out any common scale s of its input (RMSNorm(s·y) = RMSNorm(y) up to ε), so a
+    compensator's scale (``info["scale"]``: scaled-procrustes' s*) has no effect there: ``scale_void``
+    records that the run is the unscaled method, instead of reporting a distinct one.
+    """
+    if view.post_norm(module) is None:
+        return {}
+    return {"post_norm": True, **({"scale_void": True} if "scale" in info else {})}
 
 
 def _gram_modules(modules: list[str], config: PruneConfig, methods: Resolved) -> list[str]:
@@ -189,6 +214,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         torch.cuda.reset_peak_memory_stats(device)
     if config.model_method is not None:
         return _run_model_method(model, calib_ids, config, methods, device)
+    check_prunable(model, [m for m in MODULES if m in config.prune])
     layers = decoder_layers(model)
     plans = allocate(model, calib_ids, config, methods, registry, device)
     totals = Timer(device)
@@ -316,4 +342,18 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
                 scores = scorer(layer_view(layer).projection(module).weight, stats[module], **params)
                 units += layer_units(layer, index, module, scores, config.gqa_rule)
         inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
-    return al_am(units, config.ratio, len(decoder_layers(model)), modules)
+    layers = decoder_layers(model)
+    selections = al_am(units, config.ratio, len(layers), modules)
+    if config.round_to:
+        for i, layer in enumerate(layers):
+            for module in modules:
+                module_units = [u for u in units if u.layer == i and u.module == module]
+                selections[i][module] = _rounded(layer_view(layer).units(module).unit_size, module_units,
+                                                 selections[i][module], config.round_to)
+    return selections
+
+
+def _rounded(unit_size: int, module_units: list[Unit], selection: Selection, channels: int) -> Selection:
+    """An AL-AM module's selection with its kept width rounded to a multiple of ``channels`` (``round_kept``)."""
+    scores = torch.tensor([u.score for u in sorted(module_units, key=lambda u: u.index)])
+    return round_kept(selection, scores, kept_multiple(channels, unit_size))

@@ -78,3 +78,32 @@ def select_within_groups(scores: Tensor, group_size: int, count: int) -> Selecti
     picks = [select_lowest(group, count) for group in scores.reshape(-1, group_size)]
     return Selection(torch.cat([p.kept + g * group_size for g, p in enumerate(picks)]),
                      torch.cat([p.pruned + g * group_size for g, p in enumerate(picks)]))
+
+
+def kept_multiple(channels: int, unit_size: int) -> int:
+    """Units whose columns make a multiple of ``channels``: m = channels / gcd(channels, unit_size)."""
+    return channels // math.gcd(channels, unit_size)
+
+
+def round_kept(selection: Selection, scores: Tensor, multiple: int) -> Selection:
+    """``selection`` with its kept units rounded to the multiple of ``multiple`` nearest to |K| (ties upward),
+    within [multiple, n]: the best-scoring pruned units are kept back, or the worst-scoring kept ones pruned
+    (ties as ``select_by_score``: the lower index is pruned first).
+
+    ValueError when the module has fewer than ``multiple`` units (no multiple fits).
+    """
+    n = scores.numel()
+    if n < multiple:
+        raise ValueError(f"cannot keep a multiple of {multiple} units in a module of {n}")
+    target = min(max(multiple * math.floor(len(selection.kept) / multiple + 0.5), multiple), n - n % multiple)
+    kept, pruned = selection.kept, selection.pruned
+    # Units in pruning order (score, then lower index first, as select_by_score): restore the last pruned ones,
+    # or prune the first kept ones.
+    if target > len(kept):
+        order = pruned[torch.sort(scores[pruned], stable=True).indices]
+        split = len(order) - (target - len(kept))
+        kept, pruned = torch.cat([kept, order[split:]]), order[:split]
+    elif target < len(kept):
+        order = kept[torch.sort(scores[kept], stable=True).indices]
+        kept, pruned = order[len(kept) - target:], torch.cat([pruned, order[:len(kept) - target]])
+    return Selection(kept.sort().values, pruned.sort().values)

@@ -1,9 +1,9 @@
 """Tables and figures of the generalisation diagnostics (issue 12): calibration vs held-out reconstruction error
-and the update's degrees of freedom, from the ``record["generalisation"]`` of runs made with ``holdout`` > 0.
+and the update's degrees of freedom, from the ``Record.generalisation`` of runs made with ``holdout`` > 0.
 
 Errors are relative, ‖Y − W̃X‖²/‖Y‖² per module (``rcpu_bench.compensation.diagnostics``); "mean" is over
 every (layer, module). Ridge rows appear once per λ and twice more at a chosen λ: λ_best by the paper's rule
-(lowest calibration perplexity) and by the lowest held-out error mean (:mod:`rcpu_bench.tables.lambda_rules`).
+(lowest calibration perplexity) and by the lowest held-out error mean (:mod:`rcpu_bench.matrix.lambda_rules`).
 Three tables per model and pruning ratio (the errors vs N_calib, the degrees of freedom vs N_calib, and
 per layer for each N_calib) and two figures (errors per layer for each N_calib; errors vs N_calib).
 """
@@ -20,11 +20,12 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from rcpu_bench.matrix.lambda_rules import choose
 from rcpu_bench.matrix.store import StoredResult
-from rcpu_bench.tables.lambda_rules import choose
+from rcpu_bench.pruning.methods import percent
 from rcpu_bench.tables.layout import method_row
 from rcpu_bench.tables.results import Metric
-from rcpu_bench.tables.table import Column, Row, Table, percent
+from rcpu_bench.tables.table import Column, Row, Table
 
 Place = tuple[str, float]  # (model label, pruning ratio): one table or figure
 Runs = dict[str, dict[int, StoredResult]]  # row label → N_calib → the run shown
@@ -49,7 +50,7 @@ def generalisation_runs(results: Sequence[StoredResult]) -> dict[Place, Runs]:
     groups: dict[tuple, list[StoredResult]] = defaultdict(list)
     for result in results:
         label = method_row(result)
-        if label is not None and "generalisation" in result.record and result.ratio > 0:
+        if label is not None and result.record.generalisation is not None and result.ratio > 0:
             groups[result.model_label, result.ratio, label, result.n_calib].append(result)
     runs: dict[Place, Runs] = defaultdict(lambda: defaultdict(dict))
     for (model, ratio, label, n_calib), members in sorted(groups.items()):
@@ -71,7 +72,7 @@ def _sizes(runs: Runs) -> list[int]:
 
 
 def _summary(result: StoredResult | None, key: str) -> float | None:
-    return None if result is None else result.record["generalisation"][key]
+    return None if result is None else result.record.generalisation[key]
 
 
 def error_table(model: str, ratio: float, runs: Runs) -> Table:
@@ -103,7 +104,7 @@ def layer_table(model: str, ratio: float, n_calib: int, runs: Runs) -> Table:
     rows = tuple(Row(f"{label} · layer {m['layer']} {m['module']}", ratio,
                      (m["calibration_error"], m["holdout_error"], m["degrees_of_freedom"]))
                  for label, by_n in runs.items() if n_calib in by_n
-                 for m in by_n[n_calib].record["generalisation"]["layers"])
+                 for m in by_n[n_calib].record.generalisation["layers"])
     return Table(f"{model}, N_calib={n_calib}: reconstruction error per layer and module", columns, rows)
 
 
@@ -136,7 +137,7 @@ def draw_layers(model: str, ratio: float, n_calib: int, runs: Runs) -> Figure:
         for k, (label, by_n) in enumerate(_chosen_rows(runs).items()):
             if n_calib not in by_n:
                 continue
-            rows = [m for m in by_n[n_calib].record["generalisation"]["layers"] if m["module"] == module]
+            rows = [m for m in by_n[n_calib].record.generalisation["layers"] if m["module"] == module]
             layers = [m["layer"] for m in rows]
             ax.plot(layers, [m["holdout_error"] for m in rows], marker="o", color=f"C{k}", label=f"{label} held-out")
             ax.plot(layers, [m["calibration_error"] for m in rows], marker="x", linestyle="--", color=f"C{k}",

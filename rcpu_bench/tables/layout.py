@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rcpu_bench.evaluation.perplexity import get_profile
+from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, Chosen, resolve
 from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.methods import MODULES, RECIPES, cell_label, label_of
-from rcpu_bench.tables.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, Chosen, resolve
 from rcpu_bench.tables.results import (
     EFFICIENCY,
     EFFICIENCY_EXTRACTS,
@@ -25,14 +25,10 @@ from rcpu_bench.tables.results import (
     PPL,
     Extract,
     Metric,
-    check_profile,
     ppl_of,
     zeroshot_metrics,
 )
 from rcpu_bench.tables.table import Column, Row, Table, Value, join
-
-if TYPE_CHECKING:
-    from rcpu_bench.tables.paper import PaperNumbers
 
 ROT = RECIPES["rcpu-rot"].label
 BOTH_MODULES = frozenset(MODULES)
@@ -52,6 +48,14 @@ RowOf = Callable[[StoredResult], "str | None"]  # the row label of a run, None w
 Getter = Callable[[RowKey], Value]
 
 
+class Reference(Protocol):
+    """Numbers to show beside ours (:class:`rcpu_bench.tables.paper.PaperNumbers`, the paper's own)."""
+
+    def reports(self, kind: str, slot: Slot, metric: str) -> bool: ...
+
+    def value(self, kind: str, slot: Slot, row: RowKey, metric: str) -> float | None: ...
+
+
 def compensates_all(result: StoredResult) -> bool:
     """Whether a run prunes and compensates both modules (attention and MLP)."""
     prune = result.prune
@@ -63,10 +67,26 @@ def any_row(result: StoredResult) -> str | None:
     return method_row(result) or other_row(result)
 
 
+SCALE_VOID = " [scale void: post-norm]"
+
+
+def scale_void(result: StoredResult) -> bool:
+    """Whether a module's post-norm divided out the compensator's scale (``scale_void`` in the record's module
+    reports, ``rcpu_bench.pruning.pipeline.post_norm_notes``): e.g. Gemma's scaled-procrustes is procrustes."""
+    return any(report.get("scale_void") for layer in result.record.layers or []
+               for report in layer.values() if isinstance(report, dict))
+
+
+def _marked(label: str, result: StoredResult) -> str:
+    """The row label, marked when the run is not the distinct method its name says (``scale_void``)."""
+    return label + SCALE_VOID if scale_void(result) else label
+
+
 def method_row(result: StoredResult) -> str | None:
     """The row of a main table: the named method (the paper's rows) of a run pruning and compensating both
     modules."""
-    return label_of(result.prune) if compensates_all(result) else None
+    label = label_of(result.prune) if compensates_all(result) else None
+    return None if label is None else _marked(label, result)
 
 
 def other_row(result: StoredResult) -> str | None:
@@ -74,7 +94,7 @@ def other_row(result: StoredResult) -> str | None:
     configuration, under its label from the final configuration (e.g. ``wanda-sp+ridge``)."""
     if not compensates_all(result) or label_of(result.prune) is not None:
         return None
-    return cell_label(result.cell)
+    return _marked(cell_label(result.cell), result)
 
 
 def ablation_row(result: StoredResult) -> str | None:
@@ -147,32 +167,7 @@ def spec(kind: str, profile: str = PAPER_PROFILE, metric_map: str = "paper") -> 
     raise ValueError(f"unknown table {kind!r}; allowed: {', '.join(TABLE_KINDS)}, all")
 
 
-def make_tables(results: Sequence[StoredResult], table: str = "all", *, profile: str = PAPER_PROFILE,
-                metric_map: str = "paper", paper: PaperNumbers | None = None,
-                lambda_rule: str = DEFAULT_LAMBDA_RULE) -> list[Table]:
-    """The tables of one kind (or ``all``) from stored runs; empty tables are left out. ``lambda_rule`` chooses
-    λ_best of a ridge grid (rcpu_bench.tables.lambda_rules); the titles of tables with a λ column name it."""
-    if lambda_rule not in LAMBDA_RULES:
-        raise ValueError(f"unknown lambda rule {lambda_rule!r}; allowed: {', '.join(LAMBDA_RULES)}")
-    kinds = TABLE_KINDS if table == "all" else (table,)
-    specs = [spec(kind, profile, metric_map) for kind in kinds if kind not in ("generalisation", "main-effects")]
-    if {"ppl", "ppl-other", "ablation", "main-effects"} & set(kinds):
-        check_profile(results, profile)
-        if paper is not None and profile != PAPER_PROFILE:
-            raise ValueError(f"the paper's perplexities are profile {PAPER_PROFILE}; got --profile {profile}")
-    tables = [t for s in specs for t in build_tables(results, s, paper, lambda_rule)]
-    if "generalisation" in kinds:
-        from rcpu_bench.tables import generalisation  # it builds on this module's rows
-
-        tables += generalisation.make_tables(results)
-    if "main-effects" in kinds:
-        from rcpu_bench.tables import main_effects  # it builds on this module's rows
-
-        tables += main_effects.make_tables(results, profile, lambda_rule)
-    return tables
-
-
-def build_tables(results: Sequence[StoredResult], table_spec: Spec, paper: PaperNumbers | None,
+def build_tables(results: Sequence[StoredResult], table_spec: Spec, paper: Reference | None,
                  lambda_rule: str = DEFAULT_LAMBDA_RULE) -> list[Table]:
     """The tables of one spec: per slot, or one table with a column group per slot."""
     grid = cell_grid(results, table_spec.row, lambda_rule)
@@ -189,12 +184,12 @@ def _slot_order(results: Sequence[StoredResult], slots: set[Slot]) -> list[Slot]
     """Smaller models first (by parameter count before pruning), then by N_calib."""
     size: dict[str, float] = {}
     for result in results:
-        size[result.model_label] = max(size.get(result.model_label, 0), result.record["parameters"]["before"])
+        size[result.model_label] = max(size.get(result.model_label, 0), result.record.parameters["before"])
     return sorted(slots, key=lambda slot: (size.get(slot[0], 0), slot))
 
 
 def _assemble(title: str, table_spec: Spec, slots: Sequence[Slot], grid: Mapping[tuple[Slot, RowKey], Chosen],
-              paper: PaperNumbers | None, lambda_rule: str) -> Table:
+              paper: Reference | None, lambda_rule: str) -> Table:
     """A table over some slots; rows with none of our values are left out; a λ column names the rule."""
     pairs = [pair for slot in slots for pair in _slot_columns(table_spec, slot, grid, paper)]
     ours = [j for j, (column, _) in enumerate(pairs) if column.metric not in (None, LAMBDA) and not column.reference]
@@ -209,7 +204,7 @@ def _assemble(title: str, table_spec: Spec, slots: Sequence[Slot], grid: Mapping
 
 
 def _slot_columns(table_spec: Spec, slot: Slot, grid: Mapping[tuple[Slot, RowKey], Chosen],
-                  paper: PaperNumbers | None) -> list[tuple[Column, Getter]]:
+                  paper: Reference | None) -> list[tuple[Column, Getter]]:
     """One slot's columns and how to fill them: each metric (then the paper's, where the paper has numbers for
     this slot), then λ_best if any row has a λ."""
     model, n_calib = slot
@@ -231,7 +226,7 @@ def _ours(found: Mapping[RowKey, Chosen], extract: Extract) -> Getter:
     return lambda row: extract(found[row].result.record) if row in found else None
 
 
-def _theirs(paper: PaperNumbers, kind: str, slot: Slot, metric: str) -> Getter:
+def _theirs(paper: Reference, kind: str, slot: Slot, metric: str) -> Getter:
     return lambda row: paper.value(kind, slot, row, metric)
 
 

@@ -5,14 +5,12 @@ perplexity vs pruning ratio as grouped bars, one bar per compensation method, in
 (fig:bar-2x2: a row per N_calib, a column per scorer, WANDA-sp score then the proposed variance score);
 perplexity vs the ridge λ (log axis, the chosen λ starred); perplexity vs N_calib per method and ratio
 (fig:nvsppl). The ``*_data`` functions compute what is drawn from the stored runs alone (the same choice of run
-as the tables, :func:`rcpu_bench.tables.lambda_rules.resolve`), separately from drawing.
+as the tables, :func:`rcpu_bench.matrix.lambda_rules.resolve`), separately from drawing.
 """
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,14 +22,14 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from rcpu_bench.matrix.store import StoredResult, read_results
+from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, resolve
+from rcpu_bench.matrix.store import StoredResult
+from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.options import is_default_pipeline
 from rcpu_bench.tables import generalisation, main_effects
-from rcpu_bench.tables.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, resolve
 from rcpu_bench.tables.layout import any_row, cell_grid, compensates_all
-from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, default_profile, ppl_of
-from rcpu_bench.tables.table import ORIGINAL, percent
-from rcpu_bench.tables.tables import add_lambda_rule_option, add_profile_option, add_results_options, results_dir_of
+from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, ppl_of
+from rcpu_bench.tables.table import ORIGINAL
 
 COMPENSATOR_NAMES = {"none": "No comp.", "flap-bias": "Bias (FLAP)", "ridge": "LS (λ_best)",  # legend order
                      "procrustes": "Rot.", "scaled-procrustes": "Rot.+Scale"}
@@ -263,34 +261,3 @@ def write_plots(results: Sequence[StoredResult], out_dir: str | Path, profile: s
                 paths.append(path)
     return paths + generalisation.write_plots(results, out_dir) + main_effects.write_plots(results, out_dir, profile,
                                                                                           lambda_rule)
-
-
-# ------------------------------------------------------------------------------------------------------ CLI
-
-def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add ``plots`` to the CLI's subcommands."""
-    p = commands.add_parser("plots", help="draw the paper's figures from a results store (PNG, PDF and SVG)")
-    add_results_options(p)
-    p.add_argument("--out-dir", metavar="DIR", help="where the figures go (default: <results>/plots)")
-    add_profile_option(p)
-    add_lambda_rule_option(p)
-    p.set_defaults(func=cmd_plots)
-    return p
-
-
-def cmd_plots(args: argparse.Namespace) -> int:
-    """Write the figures and print their paths; errors are reported with exit code 2."""
-    try:
-        results_dir = results_dir_of(args)
-        stored = read_results(results_dir)
-        paths = write_plots(stored.results, args.out_dir or results_dir / "plots",
-                            args.profile or default_profile(stored.results), args.lambda_rule)
-    except (ValueError, OSError) as error:
-        print(f"rcpu-bench: error: {error}", file=sys.stderr)
-        return 2
-    stored.note_failed()
-    if not paths:
-        print("rcpu-bench: nothing to plot", file=sys.stderr)
-    for path in paths:
-        print(path)
-    return 0

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
-from rcpu_bench.pruning.methods import RECIPES
-from rcpu_bench.tables.table import Column, Table, Value, join, percent, table_marks
+from rcpu_bench.pruning.methods import RECIPES, percent
+from rcpu_bench.tables.table import Column, Table, Value, join, table_marks
 
 FORMATS = ("md", "latex", "csv")
 SHADED = frozenset({RECIPES["rcpu-rot"].label, RECIPES["rcpu-rot-scale"].label})  # the paper's gray RCPU rows

@@ -13,13 +13,14 @@ from typing import Any, Literal
 
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
 from rcpu_bench.matrix.store import StoredResult
+from rcpu_bench.records import Record
 
 PAPER_PROFILE = "rcpu128"  # the paper's WikiText-2 perplexities use the seqlen-128 protocol
 PRUNE_PHASES = ("statistics", "score", "solve", "forward")  # rcpu_bench.pruning.pipeline's per-layer timings
 BYTES_PER_PARAMETER = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 Better = Literal["lower", "higher"]
-Extract = Callable[[dict[str, Any]], Any]  # a value from a run record, None when it has none
+Extract = Callable[[Record], Any]  # a value from a run record, None when it has none
 
 
 @dataclass(frozen=True)
@@ -70,29 +71,29 @@ METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASK_HEA
 
 def ppl_of(profile: str) -> Extract:
     """The perplexity of one profile from a record."""
-    def extract(record: dict[str, Any]) -> float | None:
-        return next((p["ppl"] for p in record["perplexity"] if p["profile"] == profile), None)
+    def extract(record: Record) -> float | None:
+        return next((p["ppl"] for p in record.perplexity if p["profile"] == profile), None)
     return extract
 
 
 def accuracy_of(task: str, metric: str) -> Extract:
     """A zero-shot accuracy in percent from a record."""
-    def extract(record: dict[str, Any]) -> float | None:
+    def extract(record: Record) -> float | None:
         value = task_scores(record).get(task, {}).get(metric)
         return None if value is None else 100 * value
     return extract
 
 
-def task_scores(record: dict[str, Any]) -> dict[str, dict[str, float]]:
+def task_scores(record: Record) -> dict[str, dict[str, float]]:
     """A record's zero-shot scores, ``{task: {acc, acc_norm, ...}}`` (fractions), also when nested under ``tasks``
     as ``rcpu_bench.evaluation.zeroshot.evaluate_zeroshot`` returns them; empty when the run had no zero-shot."""
-    result = record.get("zeroshot") or {}
+    result = record.zeroshot or {}
     return result.get("tasks", result)
 
 
 def mean_of(extracts: Sequence[Extract]) -> Extract:
     """The mean of several values of a record, None unless all are there."""
-    def extract(record: dict[str, Any]) -> float | None:
+    def extract(record: Record) -> float | None:
         values = [get(record) for get in extracts]
         return None if any(v is None for v in values) else fmean(values)
     return extract
@@ -106,15 +107,15 @@ def zeroshot_metrics(metric_map: str) -> tuple[tuple[Metric, Extract], ...]:
     return (*tasks, (MEAN, mean_of([extract for _, extract in tasks])))
 
 
-def params(record: dict[str, Any]) -> float:
+def params(record: Record) -> float:
     """Parameters of the pruned model."""
-    return record["parameters"]["after"]
+    return record.parameters["after"]
 
 
-def model_size_mib(record: dict[str, Any]) -> float | None:
+def model_size_mib(record: Record) -> float | None:
     """The pruned model's weights in MiB, as the paper's "Memory size": parameters × bytes per parameter of the
     run's dtype / 2²⁰ (6,738,415,616 × 4 B = 25,705 MiB for Llama-7B in float32). None without a recorded dtype."""
-    dtype = record["experiment"].get("dtype")
+    dtype = record.experiment.get("dtype")
     if dtype is None:
         return None
     if dtype not in BYTES_PER_PARAMETER:
@@ -122,34 +123,34 @@ def model_size_mib(record: dict[str, Any]) -> float | None:
     return params(record) * BYTES_PER_PARAMETER[dtype] / 2**20
 
 
-def peak_memory_mib(record: dict[str, Any]) -> float:
-    return record["peak_memory_bytes"] / 2**20
+def peak_memory_mib(record: Record) -> float:
+    return record.peak_memory_bytes / 2**20
 
 
-def seconds_per_layer(record: dict[str, Any]) -> float | None:
+def seconds_per_layer(record: Record) -> float | None:
     """Pruning seconds per layer: Σ prune phases / number of layers."""
-    timing = record["timing"]
+    timing = record.timing
     return sum(timing["prune_seconds"].values()) / len(timing["layers"]) if timing["layers"] else None
 
 
 def phase_per_layer(phase: str) -> Extract:
     """Seconds of one pruning phase per layer: Σ_layers t_phase / number of layers; None when no layer has it."""
-    def extract(record: dict[str, Any]) -> float | None:
-        layers = record["timing"]["layers"]
+    def extract(record: Record) -> float | None:
+        layers = record.timing["layers"]
         times = [layer[phase] for layer in layers if phase in layer]
         return sum(times) / len(layers) if times else None
     return extract
 
 
-def device_name(record: dict[str, Any]) -> str:
-    """The GPU or CPU model the run was measured on (records before rcpu_bench.matrix.records.environment: the
+def device_name(record: Record) -> str:
+    """The GPU or CPU model the run was measured on (records before rcpu_bench.records.environment: the
     device)."""
-    return record.get("environment", {}).get("device_name") or record["experiment"].get("device")
+    return (record.environment or {}).get("device_name") or record.experiment.get("device")
 
 
 def inference(key: str) -> Extract:
-    """A generation throughput of the pruned model (``record["inference"]``), None when it was not measured."""
-    return lambda record: (record.get("inference") or {}).get(key)
+    """A generation throughput of the pruned model (``Record.inference``), None when it was not measured."""
+    return lambda record: (record.inference or {}).get(key)
 
 
 EFFICIENCY_EXTRACTS = (params, model_size_mib, peak_memory_mib, seconds_per_layer, *map(phase_per_layer, PRUNE_PHASES),
@@ -157,7 +158,7 @@ EFFICIENCY_EXTRACTS = (params, model_size_mib, peak_memory_mib, seconds_per_laye
 
 
 def _profiles(results: Sequence[StoredResult]) -> list[str]:
-    return list(dict.fromkeys(p["profile"] for result in results for p in result.record["perplexity"]))
+    return list(dict.fromkeys(p["profile"] for result in results for p in result.record.perplexity))
 
 
 def default_profile(results: Sequence[StoredResult]) -> str:

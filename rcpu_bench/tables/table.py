@@ -79,10 +79,6 @@ def _tie_value(value: Value, metric: Metric) -> float | None:
     return round(value, metric.decimals) if isinstance(value, (int, float)) else None
 
 
-def percent(ratio: float) -> str:
-    return f"{round(ratio * 100, 6):g}%"
-
-
 def join(*parts: str) -> str:
     """Non-empty parts separated by spaces."""
     return " ".join(p for p in parts if p)

@@ -1,93 +1,41 @@
-"""``rcpu-bench tables``: the paper's tables from a results store, as Markdown, LaTeX (booktabs) or CSV,
-optionally beside the paper's own numbers.
+"""The paper's tables from a results store (``rcpu-bench tables``, :mod:`rcpu_bench.commands.tables`), rendered as
+Markdown, LaTeX (booktabs) or CSV, optionally beside the paper's own numbers.
 
 The tables are built from the store's finished runs alone (:func:`rcpu_bench.matrix.store.read_results`):
 which runs make which rows and columns is :mod:`rcpu_bench.tables.layout`, the λ of a ridge grid
-:mod:`rcpu_bench.tables.lambda_rules`, the values :mod:`rcpu_bench.tables.results`, the paper's numbers
+:mod:`rcpu_bench.matrix.lambda_rules`, the values :mod:`rcpu_bench.tables.results`, the paper's numbers
 :mod:`rcpu_bench.tables.paper` and the formats :mod:`rcpu_bench.tables.render`.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
 
-from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
-from rcpu_bench.matrix.spec import load_matrix
-from rcpu_bench.matrix.store import RECORDS, RESULTS_ROOT, matrix_results_dir, read_results
-from rcpu_bench.tables.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES
-from rcpu_bench.tables.layout import TABLE_KINDS, make_tables
-from rcpu_bench.tables.paper import read_paper
-from rcpu_bench.tables.render import FORMATS, render
-from rcpu_bench.tables.results import PAPER_PROFILE, default_profile
+from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES
+from rcpu_bench.matrix.store import StoredResult
+from rcpu_bench.tables import generalisation, main_effects
+from rcpu_bench.tables.layout import TABLE_KINDS, build_tables, spec
+from rcpu_bench.tables.paper import PaperNumbers
+from rcpu_bench.tables.results import PAPER_PROFILE, check_profile
+from rcpu_bench.tables.table import Table
 
 
-def add_results_options(parser: Any) -> None:
-    """``--results DIR`` or ``--matrix NAME`` (its default results directory), for the commands that read a store."""
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--results", metavar="DIR", help=f"results directory holding {RECORDS}")
-    where.add_argument("--matrix", metavar="NAME_OR_YAML",
-                       help=f"read the results directory that `rcpu-bench run --matrix` writes: {RESULTS_ROOT}/<name>")
-
-
-def results_dir_of(args: Any) -> Path:
-    """The results directory named by ``--results`` or ``--matrix``; neither is a ValueError saying what to give."""
-    if args.results:
-        return Path(args.results)
-    if args.matrix:
-        return matrix_results_dir(load_matrix(args.matrix).name)
-    raise ValueError(f"say which results to read: --results DIR, or --matrix NAME for {RESULTS_ROOT}/<matrix name> "
-                     "(where `rcpu-bench run --matrix NAME` writes)")
-
-
-def add_profile_option(parser: Any) -> None:
-    parser.add_argument("--profile", help=f"perplexity profile shown (default: {PAPER_PROFILE}; without it the "
-                        f"store's {PAPER_PROFILE}[START:STOP] subset, else its first profile)")
-
-
-def add_lambda_rule_option(parser: Any) -> None:
-    rules = "; ".join(f"{name}: {meaning}" for name, meaning in LAMBDA_RULES.items())
-    parser.add_argument("--lambda-rule", default=DEFAULT_LAMBDA_RULE, choices=list(LAMBDA_RULES),
-                        help=f"how λ_best is chosen from a ridge λ grid ({rules})")
-
-
-def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add ``tables`` to the CLI's subcommands."""
-    p = commands.add_parser("tables", help="render the paper's tables from a results store",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_results_options(p)
-    p.add_argument("--format", default="md", choices=FORMATS, help="Markdown, LaTeX (booktabs) or CSV")
-    p.add_argument("--reference", choices=["paper"], help="put the paper's numbers beside ours where it has them")
-    add_profile_option(p)
-    p.add_argument("--table", default="all", choices=[*TABLE_KINDS, "all"],
-                   help="which table(s); the *-other kinds hold the scorer × compensator combinations that are none "
-                        "of the paper's methods")
-    p.add_argument("--metric-map", default="paper", choices=list(METRIC_MAPS),
-                   help="zero-shot metric per task (acc or acc_norm)")
-    add_lambda_rule_option(p)
-    p.add_argument("--out", metavar="FILE", help="write to this file instead of stdout")
-    p.set_defaults(func=cmd_tables)
-    return p
-
-
-def cmd_tables(args: argparse.Namespace) -> int:
-    """Render the tables; errors are reported with exit code 2, skipped failed entries on stderr."""
-    try:
-        stored = read_results(results_dir_of(args))
-        paper = read_paper() if args.reference == "paper" else None
-        tables = make_tables(stored.results, args.table, profile=args.profile or default_profile(stored.results),
-                             metric_map=args.metric_map, paper=paper, lambda_rule=args.lambda_rule)
-        text = render(tables, args.format)
-        if args.out:
-            Path(args.out).write_text(text, encoding="utf-8")
-        else:
-            sys.stdout.write(text)
-    except (ValueError, OSError) as error:
-        print(f"rcpu-bench: error: {error}", file=sys.stderr)
-        return 2
-    stored.note_failed()
-    if not tables:
-        print(f"rcpu-bench: no finished entries for table {args.table}", file=sys.stderr)
-    return 0
+def make_tables(results: Sequence[StoredResult], table: str = "all", *, profile: str = PAPER_PROFILE,
+                metric_map: str = "paper", paper: PaperNumbers | None = None,
+                lambda_rule: str = DEFAULT_LAMBDA_RULE) -> list[Table]:
+    """The tables of one kind (or ``all``) from stored runs; empty tables are left out. ``lambda_rule`` chooses
+    λ_best of a ridge grid (rcpu_bench.matrix.lambda_rules); the titles of tables with a λ column name it."""
+    if lambda_rule not in LAMBDA_RULES:
+        raise ValueError(f"unknown lambda rule {lambda_rule!r}; allowed: {', '.join(LAMBDA_RULES)}")
+    kinds = TABLE_KINDS if table == "all" else (table,)
+    specs = [spec(kind, profile, metric_map) for kind in kinds if kind not in ("generalisation", "main-effects")]
+    if {"ppl", "ppl-other", "ablation", "main-effects"} & set(kinds):
+        check_profile(results, profile)
+        if paper is not None and profile != PAPER_PROFILE:
+            raise ValueError(f"the paper's perplexities are profile {PAPER_PROFILE}; got --profile {profile}")
+    tables = [t for s in specs for t in build_tables(results, s, paper, lambda_rule)]
+    if "generalisation" in kinds:
+        tables += generalisation.make_tables(results)
+    if "main-effects" in kinds:
+        tables += main_effects.make_tables(results, profile, lambda_rule)
+    return tables

@@ -3,10 +3,7 @@
 import torch
 from torch import Tensor
 
-from rcpu_bench import hookimpl
-from rcpu_bench.compensation.compensators import Compensation, Problem
-from rcpu_bench.hookspecs import Register
-from rcpu_bench.statistics.activations import ActivationStats
+from rcpu_bench import ActivationStats, Compensation, Problem, Register, hookimpl
 
 
 def output_energy(weight: Tensor, stats: ActivationStats) -> Tensor:

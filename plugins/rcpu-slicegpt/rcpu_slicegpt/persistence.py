@@ -32,7 +32,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from rcpu_bench.matrix.records import library_versions
+from rcpu_bench import library_versions
 from rcpu_bench.model import (
     MANIFEST,
     LoadedModel,

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
-from rcpu_bench.hookspecs import hookimpl
+from rcpu_bench import hookimpl
 from rcpu_bench.model import parameter_count
 from rcpu_slicegpt.persistence import load_sliced, save_sliced
 from rcpu_slicegpt.reference import reference_status, slice_with_reference

@@ -54,7 +54,10 @@ from rcpu_slicegpt.layers import (
 )
 
 DAMPING = 0.01
-SUPPORTED = ("pre-norm Llama-shaped decoders (Llama, Mistral, Qwen2, ...): layers of exactly self_attn, mlp, "
+# Model types whose decoder layer computes exactly x + Attn(RMSN(x)), then h + MLP(RMSN(h)), as SlicedDecoderLayer
+# does (Granite, for one, multiplies each branch by residual_multiplier).
+SLICEABLE = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = (f"pre-norm Llama-shaped decoders ({', '.join(SLICEABLE)}): layers of exactly self_attn, mlp, "
              "input_layernorm and post_attention_layernorm, RMSNorm norms (weight·x/rms(x)), nn.Embedding "
              "embeddings and an nn.Linear lm_head")
 
@@ -71,6 +74,8 @@ def _is_rms_norm(module: nn.Module, hidden_size: int) -> bool:
 def _support_problem(model: nn.Module) -> str | None:
     """What stops SliceGPT from handling ``model``, or None."""
     d, view = model.config.hidden_size, model_view(model)
+    if model.config.model_type not in SLICEABLE:
+        return f"model_type {model.config.model_type!r}: its layers do not compute what a sliced layer computes"
     if any(isinstance(layer, SlicedDecoderLayer) for layer in view.layers):
         return "it is already sliced"
     if not isinstance(view.embeddings, nn.Embedding):

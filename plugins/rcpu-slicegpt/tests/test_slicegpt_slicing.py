@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from slicegpt_helpers import copy_of, random_ids, tiny_llama
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, GraniteConfig, GraniteForCausalLM
 
 from rcpu_bench.model import capture_layer_inputs, parameter_count
 from rcpu_slicegpt import SlicePlan, slice_model, sliced_parameter_count
@@ -130,3 +130,8 @@ def test_unsupported_models_are_rejected(sliced):
     model, _ = sliced
     with pytest.raises(ValueError, match="already sliced"):
         slice_model(model, torch.zeros(1, 4, dtype=torch.long), sparsity=0.2)
+    granite = GraniteForCausalLM(GraniteConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=2, residual_multiplier=0.5,
+                                               bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    with pytest.raises(ValueError, match="model_type 'granite': its layers do not compute what a sliced layer"):
+        slice_model(granite, torch.zeros(1, 4, dtype=torch.long), sparsity=0.2)

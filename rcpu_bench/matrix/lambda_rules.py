@@ -5,7 +5,7 @@ Two rules choose λ from a grid of runs that differ only in λ:
 - ``paper``: λ_best = argmin_λ PPL_calib(λ), the perplexity on the calibration windows (the paper's rule,
   appendix sec:bestlam);
 - ``holdout``: argmin_λ mean held-out reconstruction error ‖Y − W̃X‖²/‖Y‖² over layers and modules
-  (``record["generalisation"]["holdout_error_mean"]``, recorded by runs with ``--holdout N``).
+  (``Record.generalisation["holdout_error_mean"]``, recorded by runs with ``--holdout N``).
 
 Ties go to the smaller λ.
 """
@@ -44,12 +44,12 @@ def lambda_score(result: StoredResult, rule: str) -> float:
     """What ``rule`` minimises over a λ grid, for one run: its calibration perplexity (``paper``) or its mean
     held-out reconstruction error (``holdout``)."""
     if rule == "paper":
-        value = result.record.get("calibration_ppl")
+        value = result.record.calibration_ppl
         if value is None:
             raise ValueError(f"cell {result.cell_id} has no calibration_ppl in its record; lambda_rule paper needs it")
         return value
     if rule == "holdout":
-        value = (result.record.get("generalisation") or {}).get("holdout_error_mean")
+        value = (result.record.generalisation or {}).get("holdout_error_mean")
         if value is None:
             raise ValueError(f"lambda_rule holdout needs records run with --holdout; cell {result.cell_id} "
                              "has no generalisation.holdout_error_mean")

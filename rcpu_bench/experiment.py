@@ -1,4 +1,8 @@
-"""One pruning experiment end to end: load, calibrate, prune, evaluate, record (and optionally save)."""
+"""One pruning experiment end to end: load, calibrate, prune, evaluate, record (and optionally save).
+
+The layer of "one run": ``rcpu-bench prune`` runs one :class:`Experiment`, a matrix (:mod:`rcpu_bench.matrix`)
+runs one per cell; either way the result is a :class:`rcpu_bench.records.Record`.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,9 @@ from typing import Any
 
 from rcpu_bench import data
 from rcpu_bench.compensation import diagnostics
-from rcpu_bench.evaluation import perplexity
+from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
 from rcpu_bench.evaluation.generation import text_sample
 from rcpu_bench.evaluation.speed import inference_speed
-from rcpu_bench.matrix.records import environment, library_versions
 from rcpu_bench.model.loading import (
     LoadedModel,
     load_config,
@@ -24,17 +27,12 @@ from rcpu_bench.model.loading import (
     resolve_dtype,
 )
 from rcpu_bench.model.persistence import save_pruned
-from rcpu_bench.paths import shared_dir
+from rcpu_bench.paths import default_model
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
+from rcpu_bench.records import Record, environment, library_versions
 from rcpu_bench.registry import Registry, default_registry
 
-DEFAULT_MODEL = "stories260K-mha"  # resolved in the shared fixtures directory
 DEFAULT_CALIB = "tinystories:128x128"
-
-
-def default_model() -> str:
-    """The embedded default model: the shared stories260K-mha fixture."""
-    return str(shared_dir() / "models" / DEFAULT_MODEL)
 
 
 @dataclass
@@ -48,7 +46,7 @@ class Experiment:
     revision: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    eval_batch_size: int = 8
+    eval_batch_size: int = EVAL_BATCH_SIZE
     data_dir: str | None = None
     save_dir: str | None = None
 
@@ -57,7 +55,7 @@ class Experiment:
         self.prune.validate(registry)
         resolve_dtype(self.dtype)
         resolve_device(self.device)
-        config, _ = load_config(self.model, self.revision)
+        config, _ = load_config(self.model, self.revision, prune=() if self.prune.model_method else self.prune.prune)
         spec = data.parse_calib(self.calib)
         if spec.seqlen > config.max_position_embeddings:
             raise ValueError(f"calibration seqlen {spec.seqlen} exceeds the model's max_position_embeddings "
@@ -78,14 +76,14 @@ class Experiment:
 def run_experiment(experiment: Experiment, *, registry: Registry | None = None, progress: bool = True,
                    load: Callable[..., LoadedModel] = load_model,
                    evaluate: Callable[[Any, Any], dict[str, Any]] | None = None,
-                   reuse_capture: Callable[[Callable[[], Any]], Any] | None = None) -> dict[str, Any]:
+                   reuse_capture: Callable[[Callable[[], Any]], Any] | None = None) -> Record:
     """Run one experiment and return its result record.
 
     ``load`` (load_model's signature) supplies the dense model, which the run prunes in place, so it must
     return a model of its own: the matrix runner passes a cache that reads each model once and hands out copies.
-    ``evaluate(model, tokenizer)`` evaluates the pruned model further; its fields join the record (the
-    matrix runner's zero-shot accuracy). ``reuse_capture`` goes to prune_model: the matrix runner's cache of
-    layer-0 inputs (rcpu_bench.matrix.reuse).
+    ``evaluate(model, tokenizer)`` evaluates the pruned model further; its fields join the record
+    (:meth:`Record.add`: the matrix runner's zero-shot accuracy). ``reuse_capture`` goes to prune_model: the
+    matrix runner's cache of layer-0 inputs (rcpu_bench.matrix.reuse).
     """
     registry = registry or default_registry()
     experiment.validate(registry)
@@ -108,36 +106,33 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
                                                        desc="ppl calibration")
     ppl = [perplexity.perplexity(model, tokenizer, profile, batch_size=experiment.eval_batch_size,
                                  data_dir=experiment.data_dir) for profile in experiment.ppl_profiles]
-    record = {
-        "experiment": experiment.to_dict(),
-        "model_provenance": loaded.provenance,
-        "calibration": calib.provenance.as_dict(),
-        "versions": library_versions(),
-        "environment": environment(experiment.device),
-        "parameters": {"before": params_before, "after": params_after,
-                       "removed_fraction": 1 - params_after / params_before},
-        "perplexity": ppl,
+    record = Record(
+        experiment=experiment.to_dict(),
+        model_provenance=loaded.provenance,
+        calibration=calib.provenance.as_dict(),
+        versions=library_versions(),
+        environment=environment(experiment.device),
+        parameters={"before": params_before, "after": params_after,
+                    "removed_fraction": 1 - params_after / params_before},
+        perplexity=ppl,
         # On the calibration windows themselves: the paper's rule for choosing the ridge λ (appendix bestlam).
-        "calibration_ppl": math.exp(calib_nll / calib_targets),
-        "timing": {"total_seconds": time.perf_counter() - started, "prune_seconds": report.seconds,
-                   "layers": [{"layer": layer["layer"], **layer["seconds"]} for layer in report.layers]},
-        "layers": [{k: v for k, v in layer.items() if k != "seconds"} for layer in report.layers],
-        "peak_memory_bytes": report.peak_memory_bytes,
-    }
-    # Inference speed beside the size, and greedy text to read before / after pruning
-    # (rcpu_bench.evaluation.speed, .generation).
-    record["inference"] = inference_speed(model)
-    record["sample"] = text_sample(model, tokenizer)
-    if holdout:
-        record["generalisation"] = diagnostics.summary(report.layers, holdout)
-    if report.method_report is not None:
-        record["method_report"] = report.method_report
+        calibration_ppl=math.exp(calib_nll / calib_targets),
+        timing={"total_seconds": time.perf_counter() - started, "prune_seconds": report.seconds,
+                "layers": [{"layer": layer["layer"], **layer["seconds"]} for layer in report.layers]},
+        layers=[{k: v for k, v in layer.items() if k != "seconds"} for layer in report.layers],
+        peak_memory_bytes=report.peak_memory_bytes,
+        # Inference speed beside the size, and greedy text to read before / after pruning.
+        inference=inference_speed(model),
+        sample=text_sample(model, tokenizer),
+        generalisation=diagnostics.summary(report.layers, holdout) if holdout else None,
+        method_report=report.method_report,
+    )
     if evaluate:
-        record.update(evaluate(model, tokenizer))
+        record.add(evaluate(model, tokenizer))
     if experiment.save_dir and experiment.prune.model_method:
         registry.get("model-method", experiment.prune.model_method).save(
             model, experiment.save_dir, tokenizer=tokenizer, report=report.method_report)
     elif experiment.save_dir:
         save_pruned(model, experiment.save_dir, tokenizer=tokenizer, method=experiment.prune.to_dict(),
-                    provenance=loaded.provenance, record=record)
+                    provenance=loaded.provenance, record=record.to_json())
     return record

@@ -1,30 +1,21 @@
-"""The ``rcpu-bench eval`` command: zero-shot accuracy (any lm-eval task) of a model or a saved pruned directory,
-and the per-task table it prints (:mod:`rcpu_bench.evaluation.zeroshot` does the evaluation)."""
+"""``rcpu-bench eval``: zero-shot accuracy (any lm-eval task) of a model or a saved pruned directory, and the
+per-task table it prints (:mod:`rcpu_bench.evaluation.zeroshot` does the evaluation)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
 
 from rcpu_bench import console
+from rcpu_bench.commands import command
+from rcpu_bench.commands.shared import add_eval_batch_size_option, check_models
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS
 from rcpu_bench.evaluation.zeroshot import SOURCES, TASK_FIELDS, plan_zeroshot, run_zeroshot
-from rcpu_bench.matrix.records import append_record, library_versions
-from rcpu_bench.model.loading import (
-    LoadedModel,
-    add_model_options,
-    load_config,
-    load_model,
-    model_source,
-    parameter_count,
-    resolve_device,
-    resolve_dtype,
-)
-from rcpu_bench.model.persistence import MANIFEST, load_saved, read_manifest
+from rcpu_bench.model.loading import add_model_options, parameter_count
+from rcpu_bench.model.persistence import load_saved_or_model
+from rcpu_bench.records import append_record, library_versions
 
 
 def _with_stderr(task: dict[str, Any], stat: str) -> str:
@@ -65,11 +56,7 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add the ``eval`` subcommand to an ``add_subparsers()`` object and return its parser."""
-    p = commands.add_parser("eval", help="accuracy of a model through lm-eval: the paper's seven zero-shot tasks "
-                            "(default) or any lm-eval task or group",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="hub id, Hugging Face model directory, or directory written by save_pruned / --save")
     add_model_options(p)
@@ -84,7 +71,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                    help="write lm-eval's results JSON here (a directory, or a .json file), as lm-eval does")
     p.add_argument("--log-samples", action="store_true",
                    help="also write every document, prompt and response under --output-path (lm-eval's samples)")
-    p.add_argument("--eval-batch-size", type=int, default=16, help="sequences per lm-eval forward pass")
+    add_eval_batch_size_option(p, "sequences per lm-eval forward pass")
     p.add_argument("--source", choices=SOURCES, default="auto",
                    help="data of the seven paper tasks: local files, the hub's datasets, or the hub when "
                    "reachable else local")
@@ -93,56 +80,17 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--out", metavar="JSONL", help="append the result record to this file")
     console.add_quiet_option(p)
-    p.set_defaults(func=cmd_eval)
-    return p
 
 
-def pruned_directory(name: str) -> Path | None:
-    """``name`` as a directory written by ``save_pruned`` (it has a manifest), or None."""
-    path = Path(name).expanduser()
-    return path if (path / MANIFEST).is_file() else None
-
-
-def check_model_argument(name: str, revision: str | None) -> None:
-    """Reject a missing path, a pruned directory without tokenizer, or an unsupported model, before loading."""
-    directory = pruned_directory(model_source(name))
-    if directory is None:
-        load_config(name, revision)
-        return
-    read_manifest(directory)
-    if not (directory / "tokenizer_config.json").is_file():
-        raise ValueError(f"{directory} has no tokenizer (save_pruned was called without one)")
-
-
-def check_models(names: list[str], args: argparse.Namespace) -> None:
-    """Reject a bad ``--dtype`` or ``--device`` and any bad model argument (:func:`check_model_argument`), before
-    anything is loaded: what every command that loads models checks first."""
-    resolve_dtype(args.dtype)
-    resolve_device(args.device)
-    for name in names:
-        check_model_argument(name, args.revision)
-
-
-def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str) -> LoadedModel:
-    """``load_saved`` for a directory written by save_pruned (or a model method), else ``load_model``."""
-    directory = pruned_directory(name)
-    if directory is not None:
-        return load_saved(directory, dtype=dtype, device=device)
-    return load_model(name, dtype=dtype, device=device, revision=revision)
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    """``rcpu-bench eval``: check everything, load the model, evaluate, print the table, append the record."""
-    try:
-        check_models([args.model], args)
-        if args.log_samples and not args.output_path:
-            raise ValueError("--log-samples needs --output-path (where lm-eval writes the samples)")
-        plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.eval_batch_size,
-                             source=args.source, metric_map=args.metric_map, num_fewshot=args.num_fewshot,
-                             include_path=args.include_path)
-    except (ValueError, OSError) as error:
-        print(f"rcpu-bench: error: {error}", file=sys.stderr)
-        return 2
+@command()
+def run(args: argparse.Namespace) -> int:
+    """Check everything, load the model, evaluate, print the table, append the record."""
+    check_models([args.model], args)
+    if args.log_samples and not args.output_path:
+        raise ValueError("--log-samples needs --output-path (where lm-eval writes the samples)")
+    plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.eval_batch_size,
+                         source=args.source, metric_map=args.metric_map, num_fewshot=args.num_fewshot,
+                         include_path=args.include_path)
     loaded = load_saved_or_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device)
     result = run_zeroshot(loaded.model, loaded.tokenizer, plan, log_samples=args.log_samples,
                           output_path=args.output_path, model_name=args.model)

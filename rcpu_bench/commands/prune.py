@@ -1,0 +1,68 @@
+"""``rcpu-bench prune``: prune one model with one scorer × compensator, evaluate it, print a summary and optionally
+append its record and save the pruned model."""
+
+from __future__ import annotations
+
+import argparse
+
+from rcpu_bench.commands import command, export
+from rcpu_bench.commands.shared import add_eval_batch_size_option
+from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, run_experiment
+from rcpu_bench.model.loading import add_model_options
+from rcpu_bench.paths import default_model
+from rcpu_bench.pruning import options
+from rcpu_bench.records import Record, append_record
+
+DEFAULT_PPL = "rcpu128"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="local model directory or Hugging Face hub id "
+                   "(default: the stories260K-mha fixture in the shared directory)")
+    add_model_options(p)
+    options.add_arguments(p)
+    p.add_argument("--calib", default=DEFAULT_CALIB,
+                   help="calibration data SOURCE[:NxSEQLEN][:seed=S]; sources wikitext2, tinystories, file:PATH")
+    p.add_argument("--ppl", action="append", default=None, metavar="PROFILE",
+                   help="perplexity profile(s): rcpu128, std2048, tinystories, tinystories[START:STOP] "
+                        f"(default: {DEFAULT_PPL})")
+    add_eval_batch_size_option(p, "sequences per perplexity forward pass")
+    p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
+    p.add_argument("--save", metavar="DIR", help="save the pruned model (safetensors + shape manifest)")
+    p.add_argument("--out", metavar="JSONL", help="append the result record to this file")
+    export.add_prune_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def summary(record: Record) -> str:
+    """Parameters before and after, pruning time and peak memory, and each perplexity."""
+    params = record.parameters
+    lines = [f"parameters: {params['before']:,} -> {params['after']:,} ({params['removed_fraction']:.2%} removed)",
+             f"pruning time: {sum(record.timing['prune_seconds'].values()):.1f} s, "
+             f"peak memory {record.peak_memory_bytes / 2**20:.0f} MiB"]
+    lines += [f"ppl[{p['profile']}] = {p['ppl']:.4f}  ({p['n_windows']} windows, {p['n_tokens']:,} tokens, "
+              f"seqlen {p['seqlen']})" for p in record.perplexity]
+    return "\n".join(lines)
+
+
+@command()
+def run(args: argparse.Namespace) -> int:
+    """Run the experiment and print its summary."""
+    experiment = Experiment(model=args.model or default_model(), prune=options.from_args(args), calib=args.calib,
+                            ppl_profiles=tuple(args.ppl or [DEFAULT_PPL]), revision=args.revision, dtype=args.dtype,
+                            device=args.device, eval_batch_size=args.eval_batch_size, data_dir=args.data_dir,
+                            save_dir=args.save)
+    if args.export_gguf:
+        if not args.save:
+            raise ValueError("--export-gguf needs --save DIR (the GGUF file is written from the saved model)")
+        export.check_export(experiment.model, args.export_gguf, args.gguf_outtype, check_model=False)
+    record = run_experiment(experiment, progress=not args.quiet)  # validated whole before any work
+    print(summary(record))
+    if args.out:
+        append_record(args.out, record)
+        print(f"record appended to {args.out}")
+    if args.save:
+        print(f"pruned model saved to {args.save}")
+    if args.export_gguf:
+        print(export.describe(export.export_model(args.save, args.export_gguf, args.gguf_outtype)))
+    return 0

@@ -1,0 +1,81 @@
+"""``rcpu-bench tables``: the paper's tables from a results store (:mod:`rcpu_bench.tables.tables`), and the
+options of every command that reads a store (``tables``, ``plots``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from rcpu_bench.commands import command
+from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
+from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES
+from rcpu_bench.matrix.spec import load_matrix
+from rcpu_bench.matrix.store import RECORDS, RESULTS_ROOT, matrix_results_dir, read_results
+from rcpu_bench.tables.layout import TABLE_KINDS
+from rcpu_bench.tables.paper import read_paper
+from rcpu_bench.tables.render import FORMATS, render
+from rcpu_bench.tables.results import PAPER_PROFILE, default_profile
+from rcpu_bench.tables.tables import make_tables
+
+
+def add_results_options(parser: Any) -> None:
+    """``--results DIR`` or ``--matrix NAME`` (its default results directory), for the commands that read a store."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--results", metavar="DIR", help=f"results directory holding {RECORDS}")
+    where.add_argument("--matrix", metavar="NAME_OR_YAML",
+                       help=f"read the results directory that `rcpu-bench run --matrix` writes: {RESULTS_ROOT}/<name>")
+
+
+def results_dir_of(args: Any) -> Path:
+    """The results directory named by ``--results`` or ``--matrix``; neither is a ValueError saying what to give."""
+    if args.results:
+        return Path(args.results)
+    if args.matrix:
+        return matrix_results_dir(load_matrix(args.matrix).name)
+    raise ValueError(f"say which results to read: --results DIR, or --matrix NAME for {RESULTS_ROOT}/<matrix name> "
+                     "(where `rcpu-bench run --matrix NAME` writes)")
+
+
+def add_profile_option(parser: Any) -> None:
+    parser.add_argument("--profile", help=f"perplexity profile shown (default: {PAPER_PROFILE}; without it the "
+                        f"store's {PAPER_PROFILE}[START:STOP] subset, else its first profile)")
+
+
+def add_lambda_rule_option(parser: Any) -> None:
+    rules = "; ".join(f"{name}: {meaning}" for name, meaning in LAMBDA_RULES.items())
+    parser.add_argument("--lambda-rule", default=DEFAULT_LAMBDA_RULE, choices=list(LAMBDA_RULES),
+                        help=f"how λ_best is chosen from a ridge λ grid ({rules})")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_results_options(p)
+    p.add_argument("--format", default="md", choices=FORMATS, help="Markdown, LaTeX (booktabs) or CSV")
+    p.add_argument("--reference", choices=["paper"], help="put the paper's numbers beside ours where it has them")
+    add_profile_option(p)
+    p.add_argument("--table", default="all", choices=[*TABLE_KINDS, "all"],
+                   help="which table(s); the *-other kinds hold the scorer × compensator combinations that are none "
+                        "of the paper's methods")
+    p.add_argument("--metric-map", default="paper", choices=list(METRIC_MAPS),
+                   help="zero-shot metric per task (acc or acc_norm)")
+    add_lambda_rule_option(p)
+    p.add_argument("--out", metavar="FILE", help="write to this file instead of stdout")
+
+
+@command()
+def run(args: argparse.Namespace) -> int:
+    """Render the tables; skipped failed entries are counted on stderr."""
+    stored = read_results(results_dir_of(args))
+    paper = read_paper() if args.reference == "paper" else None
+    tables = make_tables(stored.results, args.table, profile=args.profile or default_profile(stored.results),
+                         metric_map=args.metric_map, paper=paper, lambda_rule=args.lambda_rule)
+    text = render(tables, args.format)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    stored.note_failed()
+    if not tables:
+        print(f"rcpu-bench: no finished entries for table {args.table}", file=sys.stderr)
+    return 0

@@ -1,0 +1,15 @@
+"""Gemma-2 and Gemma-3 (text): sandwich norms, attention-logit soft-capping, GeGLU, (1 + w) RMSNorms.
+
+The attention's producers read ``input_layernorm``, the MLP's ``pre_feedforward_layernorm``; each block's
+output goes through a post-norm (``post_attention_layernorm``, ``post_feedforward_layernorm``) before the
+residual. An RMSNorm divides out a common scale of its input, so a compensator's scale (scaled-procrustes'
+s*) has no effect there: the pipeline records it (``rcpu_bench.pruning.pipeline``). Soft-capping and the
+query scalar act per head; Gemma-3's q/k norms are per head.
+"""
+
+from rcpu_bench.model.llama import Family
+
+_SANDWICH = dict(pre_norms=("input_layernorm", "pre_feedforward_layernorm"),
+                 post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+GEMMA2 = Family("Gemma2", ("gemma2",), **_SANDWICH)
+GEMMA3 = Family("Gemma3", ("gemma3_text",), head_norms=("q_norm", "k_norm"), **_SANDWICH)
