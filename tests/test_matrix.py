@@ -171,10 +171,14 @@ def test_methods_are_checked_against_the_registry(methods, message):
 def test_every_shipped_matrix_validates_with_its_cell_count():
     counts = {name: len(expand(load_matrix(name), REGISTRY)) for name in shipped_matrices()}
     per_scorer = sum(13 if "lam" in c.params else 1 for c in REGISTRY.methods("compensator"))
-    full = 1 + 3 * len(REGISTRY.methods("scorer")) * per_scorer
+    full = 1 + 3 * (len(REGISTRY.methods("scorer")) + len(REGISTRY.methods("selector"))) * per_scorer
     paper = 3 * 2 * 3 * (4 + 13) + 3  # 3 models × 2 N_calib × 3 ratios × (4 methods + 13 λ) + 3 dense
     ncalib = 9 * (7 + 2)  # 9 N_calib × (7 λ of ls-best + rcpu-rot + rcpu-rot-scale)
-    assert counts == {"ablation": 12, "full": full, "ncalib": ncalib, "paper": paper, "smoke": 46}
+    # 3 selections × (4 compensators + 3 λ of ridge) × 3 allocations × 2 ratios × 2 N_calib, 2 depth methods × 2 × 2,
+    # the dense model
+    factorial = 3 * (4 + 3) * 3 * 2 * 2 + 2 * 2 * 2 + 1
+    assert counts == {"ablation": 12, "factorial": factorial, "full": full, "ncalib": ncalib, "paper": paper,
+                      "smoke": 46}
 
 
 @needs_stories
@@ -227,7 +231,7 @@ def test_a_matrix_file_is_read_with_yaml_1_1_numbers_and_named_after_its_stem(tm
 
 
 def test_an_unknown_matrix_lists_the_shipped_ones():
-    shipped = "ablation, full, ncalib, paper, smoke"
+    shipped = "ablation, factorial, full, ncalib, paper, smoke"
     with pytest.raises(MatrixError, match=f"no matrix file or shipped matrix 'smok'; shipped: {shipped}"):
         load_matrix("smok")
 
