@@ -77,8 +77,9 @@ def test_an_entry_point_that_fails_to_import_is_reported(monkeypatch, capsys):
     assert "ModuleNotFoundError" in registry.broken["ghost"]
     assert registry.compensator("procrustes").provider.startswith("builtin")
     from rcpu_bench import cli
+    from rcpu_bench.commands import plugins as plugins_command
 
-    monkeypatch.setattr(cli, "default_registry", lambda: registry)
+    monkeypatch.setattr(plugins_command, "default_registry", lambda: registry)
     assert cli.main(["plugins"]) == 1
     assert "plugin ghost failed to load: ModuleNotFoundError" in capsys.readouterr().out
 
@@ -125,8 +126,9 @@ def test_a_value_error_in_a_hook_isolates_only_its_plugin(monkeypatch, capsys):
                                        rf"{why.replace('[', '.').replace(']', '.')}"):
         PruneConfig(scorer="column-norm").validate(registry)
     from rcpu_bench import cli
+    from rcpu_bench.commands import plugins as plugins_command
 
-    monkeypatch.setattr(cli, "default_registry", lambda: registry)
+    monkeypatch.setattr(plugins_command, "default_registry", lambda: registry)
     assert cli.main(["plugins"]) == 1
     out = capsys.readouterr().out
     assert f"plugin strict failed to load: {why}" in out and "gram-shrink" in out and "column-norm" not in out
