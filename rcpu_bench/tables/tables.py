@@ -27,7 +27,7 @@ def make_tables(results: Sequence[StoredResult], table: str = "all", *, profile:
     λ_best of a ridge grid (rcpu_bench.matrix.lambda_rules); the titles of tables with a λ column name it."""
     if lambda_rule not in LAMBDA_RULES:
         raise ValueError(f"unknown lambda rule {lambda_rule!r}; allowed: {', '.join(LAMBDA_RULES)}")
-    kinds = TABLE_KINDS if table == "all" else (table,)
+    kinds = tuple(k for k in TABLE_KINDS if k != "main-effects") if table == "all" else (table,)  # asked by name
     specs = [spec(kind, profile, metric_map) for kind in kinds if kind not in ("generalisation", "main-effects")]
     if {"ppl", "ppl-other", "ablation", "main-effects"} & set(kinds):
         check_profile(results, profile)
