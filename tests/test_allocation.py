@@ -32,6 +32,14 @@ def test_log_increase_ratios_sum_to_the_target_and_grow_with_the_log_of_depth(n_
         assert rise.tolist() == pytest.approx(expected, abs=1e-9)
 
 
+@pytest.mark.parametrize("ratio", [0.1, 0.2, 0.3, 0.45])
+@pytest.mark.parametrize("n_layers", [2, 5, 8, 32])
+def test_log_increase_with_full_spread_starts_at_exactly_zero(n_layers, ratio):
+    ratios = log_increase(n_layers, ratio)
+    assert float(ratios[0]) == 0.0 and bool((ratios >= 0).all())
+    assert default_registry().allocation("log-increase")(n_layers, ratio).shape == (n_layers,)  # passes the contract
+
+
 def test_log_increase_refuses_a_last_layer_ratio_of_one_or_more():
     with pytest.raises(ValueError, match="last layer ratio"):
         log_increase(8, 0.7)

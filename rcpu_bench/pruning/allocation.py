@@ -45,6 +45,8 @@ def uniform(n_layers: int, ratio: float, /) -> Tensor:
 def log_increase(n_layers: int, ratio: float, /, *, spread: float = 1.0) -> Tensor:
     """SlimGPT's incremental ratio: ρ_l = ρ + s·(p_l − mean p), p_l = ln(1 + l) / ln(L), l = 0 … L−1.
 
+    Computed as ρ·(1 − spread) + spread·ρ·p_l / mean p, so that layer 0 is exactly ρ·(1 − spread) (never −1e-17).
+
     The mean of ρ_l is ρ (parameter-matched); s = spread·ρ / mean p, so layer 0 keeps ρ·(1 − spread) and
     ``spread=1`` leaves it unpruned.
     """
@@ -53,7 +55,7 @@ def log_increase(n_layers: int, ratio: float, /, *, spread: float = 1.0) -> Tens
     if n_layers == 1:
         return uniform(1, ratio)
     depth = torch.log1p(torch.arange(n_layers, dtype=torch.float64)) / math.log(n_layers)
-    ratios = ratio + spread * ratio / depth.mean() * (depth - depth.mean())
+    ratios = ratio * (1 - spread) + spread * ratio * depth / depth.mean()  # = ρ + s·(p_l − mean p), p_0 = 0 exact
     if not ratios.max() < 1:
         raise ValueError(f"log-increase at ratio={ratio}, spread={spread} gives the last layer ratio "
                          f"{float(ratios.max()):.3f} >= 1; allowed: a smaller spread or ratio")
