@@ -4,9 +4,10 @@ The plugin-facing API: a plugin imports what it needs from here and from :mod:`r
 side), nothing deeper. The names are loaded on first use, so ``import rcpu_bench`` (and ``rcpu-bench --version``)
 stays fast:
 
-- the hooks: ``hookimpl`` (decorates a plugin's ``register_scorers``, ``register_compensators``,
-  ``register_model_methods``), ``Register`` (the ``register`` callable each hook receives), and the contracts
-  ``Scorer``, ``Compensator``, ``ModelMethod``, ``SaveModel``, ``LoadModel``;
+- the hooks: ``hookimpl`` (decorates a plugin's ``register_scorers``, ``register_selectors``,
+  ``register_compensators``, ``register_model_methods``, ``register_allocations``), ``Register`` (the
+  ``register`` callable each hook receives), and the contracts ``Scorer``, ``Selector``, ``Compensator``,
+  ``ModelMethod``, ``Allocation``, ``SaveModel``, ``LoadModel``;
 - the statistics a method reads: ``ActivationStats`` (N, Σx, Σ|x|, Σx², G = Σ x xᵀ), ``collect_input_stats``;
 - what a compensator returns: ``Compensation`` (built with ``Problem(weight, stats, kept).result(...)``);
 - selection: ``Selection``, ``select_by_score``;
@@ -24,7 +25,8 @@ from rcpu_bench.version import __version__
 
 _HOMES = {
     "hookimpl": "hookspecs", "Register": "hookspecs", "Scorer": "hookspecs", "Compensator": "hookspecs",
-    "ModelMethod": "hookspecs", "SaveModel": "hookspecs", "LoadModel": "hookspecs",
+    "ModelMethod": "hookspecs", "SaveModel": "hookspecs", "LoadModel": "hookspecs", "Selector": "hookspecs",
+    "Allocation": "hookspecs",
     "ActivationStats": "statistics.activations", "collect_input_stats": "statistics.activations",
     "Compensation": "compensation.compensators", "Problem": "compensation.compensators",
     "Selection": "selection.select", "select_by_score": "selection.select",
@@ -32,15 +34,25 @@ _HOMES = {
     "Experiment": "experiment", "run_experiment": "experiment",
     "Record": "records", "library_versions": "records",
 }
-__all__ = ["ActivationStats", "Compensation", "Compensator", "Experiment", "LoadModel", "Method", "ModelMethod",
-           "Problem", "Record", "Register", "Registry", "Resolved", "SaveModel", "Scorer", "Selection",
-           "collect_input_stats", "default_registry", "hookimpl", "library_versions", "run_experiment",
+__all__ = ["ActivationStats", "Allocation", "Compensation", "Compensator", "Experiment", "LoadModel", "Method",
+           "ModelMethod", "Problem", "Record", "Register", "Registry", "Resolved", "SaveModel", "Scorer", "Selection",
+           "Selector", "collect_input_stats", "default_registry", "hookimpl", "library_versions", "run_experiment",
            "select_by_score", "__version__"]
 
 if TYPE_CHECKING:
     from rcpu_bench.compensation.compensators import Compensation, Problem
     from rcpu_bench.experiment import Experiment, run_experiment
-    from rcpu_bench.hookspecs import Compensator, LoadModel, ModelMethod, Register, SaveModel, Scorer, hookimpl
+    from rcpu_bench.hookspecs import (
+        Allocation,
+        Compensator,
+        LoadModel,
+        ModelMethod,
+        Register,
+        SaveModel,
+        Scorer,
+        Selector,
+        hookimpl,
+    )
     from rcpu_bench.records import Record, library_versions
     from rcpu_bench.registry import Method, Registry, Resolved, default_registry
     from rcpu_bench.selection.select import Selection, select_by_score

@@ -3,8 +3,11 @@
 A plugin is a module or object with ``@hookimpl`` functions: the built-ins (``rcpu_bench.builtin``) are
 registered in code, third-party plugins through the ``rcpu_bench`` entry-point group. Each hook receives
 a ``register`` callable bound to its plugin (``Register`` below). What a plugin hands over is a
-``Scorer``, a ``Compensator`` or a ``ModelMethod``; what the harness looks up is the matching entry
-(``ScorerEntry``, ``CompensatorEntry``, ``ModelMethodEntry``), which checks parameters and results.
+``Scorer``, a ``Selector``, a ``Compensator``, a ``ModelMethod`` or an ``Allocation``; what the harness looks up
+is the matching entry (``ScorerEntry``, ``SelectorEntry``, ...), which checks parameters and results.
+
+Selection: a *selector* chooses a module's kept and pruned units jointly (OBS); a *scorer* is its common case,
+a score per column, whose units with the lowest summed score are pruned. The run's ``scorer`` option names either.
 
 Keyword-only arguments with defaults are a method's parameters. ``needs`` declares the cheapest
 statistic the method reads: "moments" (N, Σx, Σ|x|, Σx², and ‖Y‖² when outputs were seen), "cross" (also
@@ -24,12 +27,14 @@ if TYPE_CHECKING:
     from torch import Tensor, dtype, nn
 
     from rcpu_bench.compensation.compensators import Compensation
+    from rcpu_bench.model.views import UnitMap
+    from rcpu_bench.selection.select import Selection
     from rcpu_bench.statistics.activations import ActivationStats
 
 hookspec = pluggy.HookspecMarker("rcpu_bench")
 hookimpl = pluggy.HookimplMarker("rcpu_bench")
 
-Kind = Literal["scorer", "compensator", "model-method"]
+Kind = Literal["scorer", "selector", "compensator", "model-method", "allocation"]
 Needs = Literal["moments", "cross", "gram"]
 NEEDS: tuple[Needs, ...] = ("moments", "cross", "gram")  # ordered: each reads at least what the one before reads
 
@@ -40,6 +45,22 @@ class Scorer(Protocol):
     """Column scores s (d_in,) of a module's weight W (d_out × d_in) from its input statistics; higher = keep."""
 
     def __call__(self, weight: Tensor, stats: ActivationStats, /) -> Tensor: ...
+
+
+class Selector(Protocol):
+    """Kept and pruned units (a ``Selection``) of a module: which ``n_prune`` of its units to remove, chosen jointly.
+
+    ``units`` maps units to the weight's input columns (unit u: columns [u·unit_size, (u+1)·unit_size));
+    under GQA's "query" rule (``units.group_size`` > 1) ``n_prune`` is split equally over the groups.
+    """
+
+    def __call__(self, weight: Tensor, stats: ActivationStats, units: UnitMap, n_prune: int, /) -> Selection: ...
+
+
+class Allocation(Protocol):
+    """Per-layer pruning ratios (n_layers values in [0, 1)) whose mean is the target ratio (parameter-matched)."""
+
+    def __call__(self, n_layers: int, ratio: float, /) -> Tensor: ...
 
 
 class Compensator(Protocol):
@@ -69,8 +90,8 @@ class LoadModel(Protocol):
 class Register(Protocol):
     """The ``register`` callable each hook receives, bound to the calling plugin."""
 
-    def __call__(self, name: str, fn: Scorer | Compensator | ModelMethod, *, needs: Needs = "moments",
-                 description: str | None = None, save: SaveModel | None = None,
+    def __call__(self, name: str, fn: Scorer | Selector | Compensator | ModelMethod | Allocation, *,
+                 needs: Needs = "moments", description: str | None = None, save: SaveModel | None = None,
                  load: LoadModel | None = None) -> None: ...
 
 
@@ -103,6 +124,15 @@ class ScorerEntry(Entry, Protocol):
     def __call__(self, weight: Tensor, stats: ActivationStats, /, **params: Any) -> Tensor: ...
 
 
+class SelectorEntry(Entry, Protocol):
+    def __call__(self, weight: Tensor, stats: ActivationStats, units: UnitMap, n_prune: int, /,
+                 **params: Any) -> Selection: ...
+
+
+class AllocationEntry(Entry, Protocol):
+    def __call__(self, n_layers: int, ratio: float, /, **params: Any) -> Tensor: ...
+
+
 class CompensatorEntry(Entry, Protocol):
     def __call__(self, weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, /,
                  **params: Any) -> Compensation: ...
@@ -122,6 +152,16 @@ class ModelMethodEntry(Entry, Protocol):
 @hookspec
 def register_scorers(register: Register) -> None:
     """Register column scorers: ``register("name", fn, needs=..., description=...)``."""
+
+
+@hookspec
+def register_selectors(register: Register) -> None:
+    """Register selectors, which choose a module's pruned units jointly: ``register("name", fn, needs=...)``."""
+
+
+@hookspec
+def register_allocations(register: Register) -> None:
+    """Register per-layer ratio profiles (the ``allocation`` option): ``register("name", fn, description=...)``."""
 
 
 @hookspec

@@ -24,13 +24,25 @@ import torch
 
 from rcpu_bench import builtin, hookspecs, strict_json
 from rcpu_bench.compensation.rotation import tolerance as orthogonality_tolerance
-from rcpu_bench.hookspecs import NEEDS, CompensatorEntry, Kind, ModelMethodEntry, Needs, ScorerEntry
+from rcpu_bench.hookspecs import (
+    NEEDS,
+    AllocationEntry,
+    CompensatorEntry,
+    Kind,
+    ModelMethodEntry,
+    Needs,
+    ScorerEntry,
+    SelectorEntry,
+)
+from rcpu_bench.model.views import UnitMap
 from rcpu_bench.statistics.activations import ActivationStats
 from rcpu_bench.version import __version__
 
-KINDS: tuple[Kind, ...] = ("scorer", "compensator", "model-method")
-_HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "compensator": "register_compensators",
-                           "model-method": "register_model_methods"}
+KINDS: tuple[Kind, ...] = ("scorer", "selector", "compensator", "model-method", "allocation")
+_HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "selector": "register_selectors",
+                           "compensator": "register_compensators", "model-method": "register_model_methods",
+                           "allocation": "register_allocations"}
+SELECTION_KINDS: tuple[Kind, ...] = ("scorer", "selector")  # one namespace: the ``scorer`` option names either
 
 
 class PluginContractError(RuntimeError):
@@ -48,7 +60,7 @@ class UnknownMethodError(KeyError, ValueError):
 class Method:
     """A registered method with its provider, declared statistics, description and parameters (with defaults).
 
-    Satisfies ``hookspecs.ScorerEntry``, ``CompensatorEntry`` or ``ModelMethodEntry`` according to ``kind``.
+    Satisfies the ``hookspecs`` entry of its ``kind`` (``ScorerEntry``, ``SelectorEntry``, ...).
     """
 
     kind: Kind
@@ -132,16 +144,19 @@ def _parses_as_number(text: str) -> bool:
 
 
 def _trial_problem(kind: Kind, needs: Needs) -> tuple[Any, ...]:
-    """W (3 × 4) and the statistics of 32 random tokens; compensators also get K = {0, 2}, pruned {1, 3}.
+    """W (3 × 4) and the statistics of 32 random tokens; compensators also get K = {0, 2}, pruned {1, 3}, selectors
+    units of 2 columns and one to prune; allocations get 4 layers and ratio 0.2.
 
     The statistics are those declared: moments and ‖Y‖², plus C alone for "cross", plus G alone for "gram"."""
+    if kind == "allocation":
+        return (4, 0.2)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(3, 4, generator=generator)
     x = torch.randn(32, 4, generator=generator, dtype=torch.float64)
     stats = ActivationStats.from_activations(x, with_gram=needs == "gram", outputs=x @ weight.double().T,
                                              with_cross=needs == "cross")
-    indices = (torch.tensor([0, 2]), torch.tensor([1, 3])) if kind == "compensator" else ()
-    return (weight, stats, *indices)
+    extra = {"compensator": (torch.tensor([0, 2]), torch.tensor([1, 3])), "selector": (UnitMap(2), 1)}
+    return (weight, stats, *extra.get(kind, ()))
 
 
 def _check_scores(scores: Any, weight: torch.Tensor, *_: Any) -> str | None:
@@ -149,6 +164,28 @@ def _check_scores(scores: Any, weight: torch.Tensor, *_: Any) -> str | None:
         return f"returned {_describe(scores)}, expected a tensor of shape ({weight.shape[1]},)"
     if not torch.isfinite(scores).all():
         return "returned NaN or infinite scores"
+    return None
+
+
+def _check_selection(selection: Any, weight: torch.Tensor, _stats: Any, units: UnitMap, n_prune: int) -> str | None:
+    if not (isinstance(getattr(selection, "kept", None), torch.Tensor)
+            and isinstance(getattr(selection, "pruned", None), torch.Tensor)):
+        return f"returned {_describe(selection)}, expected a Selection"
+    n_units = weight.shape[1] // units.unit_size
+    together = torch.cat([selection.kept, selection.pruned]).cpu().sort().values
+    if len(selection.pruned) != n_prune or not torch.equal(together, torch.arange(n_units)):
+        return (f"returned kept {selection.kept.tolist()} and pruned {selection.pruned.tolist()}; expected {n_prune} "
+                f"pruned and the rest kept, a partition of the {n_units} units")
+    return None
+
+
+def _check_allocation(ratios: Any, n_layers: int, ratio: float) -> str | None:
+    if not isinstance(ratios, torch.Tensor) or ratios.shape != (n_layers,):
+        return f"returned {_describe(ratios)}, expected a tensor of shape ({n_layers},)"
+    if not (torch.isfinite(ratios).all() and (ratios >= 0).all() and (ratios < 1).all()):
+        return f"returned ratios {ratios.tolist()} outside [0, 1)"
+    if abs(float(ratios.double().mean()) - ratio) > 1e-9:
+        return f"returned ratios of mean {float(ratios.double().mean())!r}, expected the target {ratio!r}"
     return None
 
 
@@ -197,8 +234,9 @@ def _check_report(report: Any, model: torch.nn.Module, *_: Any) -> str | None:
     return None if bad is None else f"returned a report that cannot be recorded: {bad}"
 
 
-_CHECKS: dict[str, Callable[..., str | None]] = {"scorer": _check_scores, "compensator": _check_compensation,
-                                                 "model-method": _check_report}
+_CHECKS: dict[str, Callable[..., str | None]] = {"scorer": _check_scores, "selector": _check_selection,
+                                                 "compensator": _check_compensation, "model-method": _check_report,
+                                                 "allocation": _check_allocation}
 
 
 def _describe(obj: Any) -> str:
@@ -224,19 +262,20 @@ def make_method(kind: Kind, name: str, fn: Callable[..., Any], provider: str, *,
 
 @dataclass(frozen=True)
 class Resolved:
-    """A run's methods, looked up once before any layer is touched."""
+    """A run's methods, looked up once before any layer is touched; ``selection`` is a scorer or a selector."""
 
-    scorer: ScorerEntry
+    selection: ScorerEntry | SelectorEntry
     compensator: CompensatorEntry
     uncompensated: CompensatorEntry  # "none": for modules outside ``compensate`` (W̃_K = W_K)
     model_method: ModelMethodEntry | None = None
+    allocation: AllocationEntry | None = None
 
     def compensator_for(self, compensated: bool) -> CompensatorEntry:
         return self.compensator if compensated else self.uncompensated
 
     def needs(self, compensated: bool) -> Needs:
-        """The statistics a module's scorer and compensator read together: the stronger of their ``needs``."""
-        return max(self.scorer.needs, self.compensator_for(compensated).needs, key=NEEDS.index)
+        """The statistics a module's selection and compensator read together: the stronger of their ``needs``."""
+        return max(self.selection.needs, self.compensator_for(compensated).needs, key=NEEDS.index)
 
 
 class Registry:
@@ -250,6 +289,14 @@ class Registry:
     @property
     def scorers(self) -> Mapping[str, ScorerEntry]:
         return MappingProxyType(self._methods["scorer"])
+
+    @property
+    def selectors(self) -> Mapping[str, SelectorEntry]:
+        return MappingProxyType(self._methods["selector"])
+
+    @property
+    def allocations(self) -> Mapping[str, AllocationEntry]:
+        return MappingProxyType(self._methods["allocation"])
 
     @property
     def compensators(self) -> Mapping[str, CompensatorEntry]:
@@ -266,8 +313,11 @@ class Registry:
             seen: dict[tuple[Kind, str], str] = {}
             for method in methods:
                 key = (method.kind, method.name)
-                existing = self._methods[method.kind].get(method.name)
-                first = existing.provider if existing else seen.get(key)
+                kinds = SELECTION_KINDS if method.kind in SELECTION_KINDS else (method.kind,)
+                existing = next((self._methods[k][method.name] for k in kinds if method.name in self._methods[k]),
+                                None)
+                first = existing.provider if existing else next((seen[(k, method.name)] for k in kinds
+                                                                 if (k, method.name) in seen), None)
                 if first:
                     raise ValueError(f"duplicate {method.kind} name {method.name!r}: registered by {first} "
                                      f"and by {provider}")
@@ -308,6 +358,19 @@ class Registry:
     def scorer(self, name: str) -> ScorerEntry:
         return self.get("scorer", name)
 
+    def selection(self, name: str) -> ScorerEntry | SelectorEntry:
+        """The scorer or selector ``name`` (one namespace): what the ``scorer`` option of a run names."""
+        if name in self._methods["selector"]:
+            return self._methods["selector"][name]
+        try:
+            return self.scorer(name)
+        except UnknownMethodError as error:
+            selectors = ", ".join(sorted(self._methods["selector"])) or "none"
+            raise UnknownMethodError(f"{error}; registered selectors: {selectors}") from None
+
+    def allocation(self, name: str) -> AllocationEntry:
+        return self.get("allocation", name)
+
     def compensator(self, name: str) -> CompensatorEntry:
         return self.get("compensator", name)
 
@@ -317,10 +380,13 @@ class Registry:
     def methods(self, kind: Kind) -> list[Method]:
         return sorted(self._methods[kind].values(), key=lambda m: m.name)
 
-    def resolve(self, *, scorer: str, compensator: str, model_method: str | None = None) -> Resolved:
-        """A run's names to their entries, once (lookup errors list what exists)."""
-        return Resolved(self.scorer(scorer), self.compensator(compensator), self.compensator("none"),
-                        None if model_method is None else self.model_method(model_method))
+    def resolve(self, *, scorer: str, compensator: str, model_method: str | None = None,
+                allocation: str | None = None) -> Resolved:
+        """A run's names to their entries, once (lookup errors list what exists); ``scorer`` names a scorer or a
+        selector."""
+        return Resolved(self.selection(scorer), self.compensator(compensator), self.compensator("none"),
+                        None if model_method is None else self.model_method(model_method),
+                        None if allocation is None else self.allocation(allocation))
 
 
 class PluginManager(pluggy.PluginManager):

@@ -77,7 +77,8 @@ def test_ablation_multiplies_the_methods_by_the_compensated_modules():
 def test_a_product_takes_every_registered_method_and_names_aliases_by_the_paper():
     cells = cells_of(tiny_raw([{"scorers": "all", "compensators": "all"}], lambdas=RIDGE_LAMS))
     per_scorer = sum(len(RIDGE_LAMS) if "lam" in c.params else 1 for c in REGISTRY.methods("compensator"))
-    assert len(cells) == len(REGISTRY.methods("scorer")) * per_scorer
+    selections = len(REGISTRY.methods("scorer")) + len(REGISTRY.methods("selector"))  # "all": selectors too
+    assert len(cells) == selections * per_scorer
     by_pair = {(c.prune["scorer"], c.prune["compensator"]): c for c in cells}
     assert (by_pair["variance", "procrustes"].method, by_pair["variance", "procrustes"].method_label) == (
         "rcpu-rot", "RCPU (Rot.)")
@@ -170,10 +171,14 @@ def test_methods_are_checked_against_the_registry(methods, message):
 def test_every_shipped_matrix_validates_with_its_cell_count():
     counts = {name: len(expand(load_matrix(name), REGISTRY)) for name in shipped_matrices()}
     per_scorer = sum(13 if "lam" in c.params else 1 for c in REGISTRY.methods("compensator"))
-    full = 1 + 3 * len(REGISTRY.methods("scorer")) * per_scorer
+    full = 1 + 3 * (len(REGISTRY.methods("scorer")) + len(REGISTRY.methods("selector"))) * per_scorer
     paper = 3 * 2 * 3 * (4 + 13) + 3  # 3 models × 2 N_calib × 3 ratios × (4 methods + 13 λ) + 3 dense
     ncalib = 9 * (7 + 2)  # 9 N_calib × (7 λ of ls-best + rcpu-rot + rcpu-rot-scale)
-    assert counts == {"ablation": 12, "full": full, "ncalib": ncalib, "paper": paper, "smoke": 46}
+    # 3 selections × (4 compensators + 3 λ of ridge) × 3 allocations × 2 ratios × 2 N_calib, 2 depth methods × 2 × 2,
+    # the dense model
+    factorial = 3 * (4 + 3) * 3 * 2 * 2 + 2 * 2 * 2 + 1
+    assert counts == {"ablation": 12, "factorial": factorial, "full": full, "ncalib": ncalib, "paper": paper,
+                      "smoke": 46}
 
 
 @needs_stories
@@ -226,7 +231,7 @@ def test_a_matrix_file_is_read_with_yaml_1_1_numbers_and_named_after_its_stem(tm
 
 
 def test_an_unknown_matrix_lists_the_shipped_ones():
-    shipped = "ablation, full, ncalib, paper, smoke"
+    shipped = "ablation, factorial, full, ncalib, paper, smoke"
     with pytest.raises(MatrixError, match=f"no matrix file or shipped matrix 'smok'; shipped: {shipped}"):
         load_matrix("smok")
 
@@ -329,3 +334,15 @@ def test_a_matrix_name_must_stay_inside_results(name):
     with pytest.raises(MatrixError, match=r"name: .* must be a plain name \(no '/', '.' or '..'\): results go to "
                                           "results/<name>"):
         parse_matrix({**tiny_raw(["rcpu-rot"]), "name": name})
+
+
+def test_a_product_with_allocations_crosses_them_and_al_am_keeps_the_structure_cell():
+    cells = cells_of(tiny_raw([{"scorers": ["obs", "variance"], "compensators": ["none"],
+                                "allocations": ["uniform", "log-increase", "al-am"]}]))
+    allocations = {(c.prune["scorer"], c.prune["allocation"], c.prune["structure"]) for c in cells}
+    assert allocations == {(s, a, st) for s in ("obs", "variance") for a, st in
+                           (("uniform", "uniform"), ("log-increase", "uniform"), ("uniform", "al-am"))}
+    same = cells_of(tiny_raw([{"name": "x", "scorer": "variance", "compensator": "none", "structure": "al-am"}]))
+    by_structure = {c.ratio: c.id for c in same}
+    assert by_structure == {c.ratio: c.id for c in cells if c.prune["scorer"] == "variance"
+                            and c.prune["structure"] == "al-am"}

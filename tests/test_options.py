@@ -34,7 +34,7 @@ def test_the_declaration_is_prune_config():
 BAD = {"ratio": 1.0, "rounding": "round", "prune": ("attention", "heads"), "compensate": ["mlp"],
        "gqa_rule": "heads", "head_aggregation": "max", "statistics": "twice", "structure": "global",
        "recollect_mlp": "yes", "offload": 1, "batch_size": 0, "holdout": -1, "gram_precision": "float16",
-       "round_to": -8,
+       "round_to": -8, "allocation": "", "allocation_params": [1],
        "scorer_params": [1],
        "model_method": ""}
 
@@ -94,7 +94,7 @@ def test_coerce_reads_yaml_lists_as_module_tuples_and_checks():
 
 def test_options_added_after_stored_results_are_hashed_only_when_set():
     assert options.HASHED_WHEN_SET == {"gram_precision": "mixed", "model_method": None, "model_method_params": {},
-                                       "holdout": 0, "round_to": 0}
+                                       "holdout": 0, "round_to": 0, "allocation": "uniform", "allocation_params": {}}
 
 
 def test_the_default_pipeline_is_every_recipe_option_but_scorer_and_compensator_at_its_default():

@@ -124,7 +124,7 @@ def test_builtin_params_are_keyword_only_defaults():
     assert registry.scorer("wanda-sp").params == {"variant": "flap"}
     assert registry.scorer("variance").params == {"activation": "l2"}
     assert registry.scorer("magnitude").params == {}
-    assert registry.compensator("ridge").params == {"lam": 1e-4, "dtype": "float64"}
+    assert registry.compensator("ridge").params == {"lam": 1e-4, "lam_rel": 0.0, "dtype": "float64"}
     assert registry.compensator("procrustes").params == {"dtype": "float64", "solver": "auto"}
 
 
@@ -196,7 +196,7 @@ def test_unknown_kind_is_rejected():
 
 def test_unknown_param_lists_allowed_ones():
     W, stats, kept, pruned = make_problem()
-    with pytest.raises(ValueError, match="'ridge' has no parameter.*lamda.*allowed: lam, dtype"):
+    with pytest.raises(ValueError, match="'ridge' has no parameter.*lamda.*allowed: lam, lam_rel, dtype"):
         default_registry().compensator("ridge")(W, stats, kept, pruned, lamda=1.0)
 
 
@@ -327,7 +327,7 @@ def test_tables_per_kind_are_read_only_views_of_the_same_entries():
 def test_resolve_returns_the_entries_of_a_run():
     registry = registry_with(("toy", ToyPlugin()))
     run = registry.resolve(scorer="toy-score", compensator="toy-shrink")
-    assert run.scorer is registry.scorer("toy-score") and run.compensator is registry.compensator("toy-shrink")
+    assert run.selection is registry.scorer("toy-score") and run.compensator is registry.compensator("toy-shrink")
     assert run.compensator_for(True) is run.compensator
     assert run.compensator_for(False) is registry.compensator("none") and run.model_method is None
     assert run.needs(True) == "gram" and run.needs(False) == "moments"  # toy-shrink needs G; "none", toy-score not

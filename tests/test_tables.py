@@ -515,7 +515,8 @@ def test_csv_has_raw_numbers_and_no_marks():
 @pytest.mark.parametrize("call, message", [
     (lambda: render([], "html"), "'html'; allowed: md, latex, csv"),
     (lambda: spec("accuracy"),
-     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, generalisation, all"),
+     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, generalisation, "
+     "main-effects, all"),
     (lambda: tables_of(ppl_entries(), lambda_rule="median"), "'median'; allowed: paper, holdout"),
 ])
 def test_bad_names_are_reported_with_the_allowed_ones(call, message):

@@ -1,4 +1,4 @@
-"""``rcpu-bench plugins``: the registered scorers, compensators and model methods, and the plugins that failed."""
+"""``rcpu-bench plugins``: the registered methods of every kind, and the plugins that failed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 from tabulate import tabulate
 
 from rcpu_bench.commands import command
-from rcpu_bench.registry import default_registry
+from rcpu_bench.registry import KINDS, default_registry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit 1 when a plugin failed to load."""
     registry = default_registry()
-    for kind in ("scorer", "compensator", "model-method"):
+    for kind in KINDS:
         rows = [(m.name, m.provider, m.needs, ", ".join(f"{k}={v!r}" for k, v in m.params.items()), m.description)
                 for m in registry.methods(kind)]
         print(f"{kind}s:")

@@ -197,17 +197,27 @@ def _require_definite(failed: bool, spectrum: Tensor, lam: float) -> None:
                          "columns?); use a larger lam")
 
 
+def _damping(gkk: Tensor, lam: float, lam_rel: float) -> tuple[float, dict[str, float | None]]:
+    """λ = lam + lam_rel · mean diag G_KK (absolute, and relative on SparseGPT's ``percdamp`` scale), and the record of
+    both scales: info["lambda"] = λ, info["lambda_rel"] = λ / mean diag G_KK (None when G_KK's diagonal is 0)."""
+    if lam < 0 or lam_rel < 0:
+        raise ValueError(f"ridge lam={lam}, lam_rel={lam_rel}; allowed: both >= 0")
+    scale = float(gkk.diagonal().mean())
+    total = lam + lam_rel * scale
+    return total, {"lambda": total, "lambda_rel": total / scale if scale > 0 else None}
+
+
 def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *, lam: float = 1e-4,
-          dtype: str = "float64") -> Compensation:
+          lam_rel: float = 0.0, dtype: str = "float64") -> Compensation:
     """Ridge least squares W* = (Y X_Kᵀ + λ W_K)(X_K X_Kᵀ + λ I)⁻¹ (paper eq. astar), by Cholesky.
 
     Minimises ‖Y − W* X_K‖_F² + λ‖W* − W_K‖_F² (eq. err_A); G is a sum over tokens, so λ is the paper's.
     In float64 the objective's quadratic term is read off the normal equations, W* G_KK = B − λW* with
     B = Y X_Kᵀ + λW_K: tr(W* G_KK W*ᵀ) = ⟨B − λW*, W*⟩ (d_out·k flops instead of 2·d_out·k²).
+    λ = lam + lam_rel · mean diag G_KK: ``lam_rel=0.01, lam=0`` is SparseGPT's / SlimGPT's damping.
     """
-    if lam < 0:
-        raise ValueError(f"ridge lam={lam} must be >= 0")
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
+    lam, damping = _damping(problem.gkk, lam, lam_rel)
     shifted = problem.gkk.to(compute, copy=True)  # problem.gkk stays unshifted for the objective
     shifted.diagonal().add_(lam)
     factor, fail = torch.linalg.cholesky_ex(shifted)
@@ -220,7 +230,7 @@ def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, 
     if compute == torch.float64:
         def after() -> float:
             return problem.error(new_weight, quadratic=((rhs - lam * new_weight) * new_weight).sum())
-    return problem.result(new_weight, after=after, **{"lambda": lam})
+    return problem.result(new_weight, after=after, **damping)
 
 
 def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
@@ -238,7 +248,7 @@ def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Ten
     for lam in lams:
         denom = evals + lam
         _require_definite(False, denom, lam)
-        results.append(problem.result(((yxk_v + lam * wk_v) / denom) @ evecs.T, **{"lambda": lam}))
+        results.append(problem.result(((yxk_v + lam * wk_v) / denom) @ evecs.T, **_damping(problem.gkk, lam, 0.0)[1]))
     return results
 
 

@@ -115,15 +115,29 @@ class CustomEntry:
 
 @dataclass(frozen=True)
 class ProductEntry:
-    """Every scorer × every compensator of two lists (``all``: every registered one)."""
+    """Every scorer (or selector) × every compensator [× every allocation] of the lists (``all``: every registered
+    one); without ``allocations`` the allocation is the matrix's."""
 
     scorers: tuple[str, ...] | str
     compensators: tuple[str, ...] | str
+    allocations: tuple[str, ...] | str | None = None
 
     def resolve(self, registry: Registry) -> list[MethodSpec]:
-        scorers = self._names(self.scorers, registry.scorer, registry.methods("scorer"))
+        scorers = self._names(self.scorers, registry.selection,
+                              [*registry.methods("scorer"), *registry.methods("selector")])
         compensators = self._names(self.compensators, registry.compensator, registry.methods("compensator"))
-        return [MethodSpec({"scorer": s, "compensator": c}) for s, c in product(scorers, compensators)]
+        if self.allocations is None:
+            return [MethodSpec({"scorer": s, "compensator": c}) for s, c in product(scorers, compensators)]
+        allocations = self._allocations(self.allocations, registry)
+        return [MethodSpec({"scorer": s, "compensator": c, "allocation": a})
+                for s, c, a in product(scorers, compensators, allocations)]
+
+    @staticmethod
+    def _allocations(names: tuple[str, ...] | str, registry: Registry) -> list[str]:
+        """Registered allocations, or al-am (which the pipeline computes from the data)."""
+        if names == ALL:
+            return [options.AL_AM, *(m.name for m in registry.methods("allocation"))]
+        return [name if name == options.AL_AM else registry.allocation(name).name for name in names]
 
     @staticmethod
     def _names(names: tuple[str, ...] | str, lookup: Callable[[str], Any], registered: list[Any]) -> list[str]:
@@ -145,8 +159,10 @@ def _names(where: str, value: Any) -> tuple[str, ...] | str:
 CUSTOM_KEYS = (Key("name", text, "the label of the method's cells"),
                *(replace(key, default=REQUIRED if key.name in ("scorer", "compensator") else key.default)
                  for key in PRUNE_KEYS))
-PRODUCT_KEYS = (Key("scorers", _names, f"registered scorers, or {ALL}"),
-                Key("compensators", _names, f"registered compensators, or {ALL}"))
+PRODUCT_KEYS = (Key("scorers", _names, f"registered scorers or selectors, or {ALL}"),
+                Key("compensators", _names, f"registered compensators, or {ALL}"),
+                Key("allocations", optional(_names), f"registered allocations or al-am, or {ALL} (default: the "
+                    "matrix's allocation)", None))
 
 
 def read_method(where: str, entry: Any) -> MethodEntry:
@@ -163,7 +179,7 @@ def read_method(where: str, entry: Any) -> MethodEntry:
         return CustomEntry(given["name"], {name: given[name] for name in entry if name != "name"})
     if isinstance(entry, dict) and set(entry) & {key.name for key in PRODUCT_KEYS}:
         given = read_keys(where, entry, PRODUCT_KEYS)
-        return ProductEntry(given["scorers"], given["compensators"])
+        return ProductEntry(given["scorers"], given["compensators"], given["allocations"])
     raise MatrixError(f"{where}: {entry!r} is not a method; expected {_METHOD_FORMS}")
 
 

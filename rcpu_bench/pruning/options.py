@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from rcpu_bench.model.views import LayerGeometry
     from rcpu_bench.registry import Registry
 
+AL_AM, UNIFORM = "al-am", "uniform"  # the allocations the pipeline computes itself (rcpu_bench.pruning.allocation)
+
 Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count", "windows", "multiple"]
 
 
@@ -104,7 +106,8 @@ def option(kind: Kind, default: Any, help: str, *, hashed: Literal["always", "wh
 class PruneConfig:
     """Everything that decides how a model is pruned; recorded verbatim with every result."""
 
-    scorer: str = option("name", "variance", "a registered scorer: which heads / channels to prune", recipe=True)
+    scorer: str = option("name", "variance", "a registered scorer or selector (e.g. obs): which heads / channels to "
+                         "prune", recipe=True)
     compensator: str = option("name", "procrustes", "a registered compensator: how the kept weights absorb the "
                               "pruning error", recipe=True)
     ratio: float = option("ratio", 0.2, "structural ratio ρ ∈ [0, 1): ⌊ρ·units⌋ heads (or key/value groups) "
@@ -126,7 +129,8 @@ class PruneConfig:
         "choice", "sequential", "statistics from the already pruned model (RCPU), or from the dense model (FLAP)",
         recipe=True)
     structure: Literal["uniform", "al-am"] = option(
-        "choice", "uniform", "uniform ratio per layer, or FLAP's global adaptive structure", recipe=True)
+        "choice", "uniform", "uniform ratio per layer, or FLAP's global adaptive structure (= allocation al-am)",
+        recipe=True)
     recollect_mlp: bool = option("flag", False, "re-collect down_proj statistics after attention is pruned (not "
                                  "RCPU's default)", recipe=True)
     offload: bool = option("flag", False, "while pruning, keep the model in CPU memory and move each decoder layer "
@@ -143,6 +147,11 @@ class PruneConfig:
                                       "scorer × compensator", hashed="when-set", recipe=True)
     model_method_params: dict[str, Any] = option("params", {}, "the whole-model method's parameters, e.g. "
                                                  "budget='params'", hashed="when-set", recipe=True)
+    allocation: str = option("name", "uniform", "units pruned per layer: uniform, al-am (stored as structure=al-am), "
+                             "log-increase (SlimGPT) or a registered allocation; the mean layer ratio is ratio",
+                             hashed="when-set", recipe=True)
+    allocation_params: dict[str, Any] = option("params", {}, "the allocation's parameters, e.g. spread=0.5",
+                                               hashed="when-set", recipe=True)
     holdout: int = option("windows", 0, "held-out calibration windows, disjoint from the calibration ones: record "
                           "each module's calibration and held-out reconstruction error (record['generalisation'])",
                           hashed="when-set")
@@ -151,11 +160,24 @@ class PruneConfig:
                            "channels), for the inference kernels' sake (e.g. 32 for llama.cpp's q8_0, 64, 128); "
                            "0: off", hashed="when-set")
 
+    def __post_init__(self) -> None:
+        """``allocation='al-am'`` is FLAP's adaptive structure, the ``structure`` option that came first: store it
+        as ``structure='al-am'`` so that both spellings give one cell id (that of the cells already stored)."""
+        if self.allocation == AL_AM:
+            if self.structure not in ("uniform", AL_AM):
+                raise ValueError(f"allocation='al-am' with structure={self.structure!r}; allowed: structure "
+                                 "'uniform' or 'al-am'")
+            self.structure, self.allocation = AL_AM, UNIFORM
+
     def validate(self, registry: Registry) -> None:
         """Raise a clear error for any bad value before work starts: each option's own check, then the registry's."""
         for option in OPTIONS:
             option.check(getattr(self, option.name))
-        registry.scorer(self.scorer).validate(self.scorer_params)
+        registry.selection(self.scorer).validate(self.scorer_params)
+        if self.structure == AL_AM and (self.allocation != UNIFORM or self.allocation_params):
+            raise ValueError(f"structure='al-am' is itself the allocation; got allocation={self.allocation!r} "
+                             f"with {self.allocation_params}; allowed: allocation 'uniform' or 'al-am', no parameters")
+        registry.allocation(self.allocation).validate(self.allocation_params)
         registry.compensator(self.compensator).validate(self.compensator_params)
         if self.model_method is not None:
             registry.get("model-method", self.model_method).validate(self.model_method_params)
@@ -170,6 +192,9 @@ class PruneConfig:
         if self.round_to and (self.model_method is not None or self.gqa_rule != "group"):
             raise ValueError(f"round_to={self.round_to} needs the layer-wise pipeline with gqa_rule='group'; "
                              "allowed: round_to=0 with a whole-model method or gqa_rule='query'")
+        if self.round_to and registry.selection(self.scorer).kind == "selector" and self.structure != AL_AM:
+            raise ValueError(f"round_to={self.round_to} rounds by unit scores, which the selector {self.scorer!r} does "
+                             "not give; allowed: round_to=0 with a selector, or a scorer")
 
     def check_units(self, geometries: Sequence[LayerGeometry]) -> None:
         """Raise a clear error, before pruning, if the ratio would prune every unit of some layer's module.

@@ -6,8 +6,9 @@ For each decoder layer in turn:
   2. score and select heads (or key/value groups) and MLP channels;
   3. compensate o_proj, then down_proj, both from that one dense pass (the official code's order);
   4. physically shrink the layer and re-run it to produce the next layer's inputs.
-``statistics="one-shot"`` instead feeds every layer the dense model's activations (FLAP's protocol),
-and ``structure="al-am"`` chooses all selections up front with FLAP's global adaptive structure.
+``statistics="one-shot"`` instead feeds every layer the dense model's activations (FLAP's protocol).
+How many units each layer loses is the allocation (``pruning/allocation.py``): uniform, a registered per-layer
+profile (log-increase), or FLAP's global adaptive structure (``structure="al-am"``), chosen up front.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,16 +30,11 @@ from rcpu_bench.finite import check_parameters, check_tensor
 from rcpu_bench.model.adapter import check_prunable, decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
 from rcpu_bench.model.views import LayerView, UnitMap
+from rcpu_bench.pruning.allocation import AL_AM, AL_AM_SCORER, Unit, al_am, layer_units, units_to_prune
 from rcpu_bench.pruning.options import MODULES, PruneConfig
 from rcpu_bench.registry import Registry, Resolved, default_registry
 from rcpu_bench.selection.scorers import unit_scores
-from rcpu_bench.selection.select import (
-    Selection,
-    kept_multiple,
-    round_kept,
-    select_by_score,
-    select_within_groups,
-)
+from rcpu_bench.selection.select import Selection, kept_multiple, round_kept, select_lowest, select_within_groups
 from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
 from rcpu_bench.statistics.flops import cheapest_statistics, expected_kept
 
@@ -62,27 +58,43 @@ class Timer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def select_units(mapping: UnitMap, scores: Tensor, config: PruneConfig) -> Selection:
-    """Units to keep and prune from per-column ``scores``: lowest unit scores pruned, within GQA groups if any."""
-    units = unit_scores(scores, mapping.unit_size, config.head_aggregation)
+def select_units(mapping: UnitMap, scores: Tensor, n_prune: int, how: str, round_to: int = 0) -> Selection:
+    """The scorer's selection: the ``n_prune`` lowest unit scores pruned, split equally over GQA groups if any;
+    with ``round_to``, the kept width rounded to a multiple of that many channels (``round_kept``)."""
+    units = unit_scores(scores, mapping.unit_size, how)  # type: ignore[arg-type]
     if mapping.group_size > 1:
-        return select_within_groups(units, mapping.group_size, config.ratio, config.rounding)
-    selection = select_by_score(units, config.ratio, config.rounding)
-    if config.round_to:
-        return round_kept(selection, units, kept_multiple(config.round_to, mapping.unit_size))
+        return select_within_groups(units, mapping.group_size, n_prune // (units.numel() // mapping.group_size))
+    selection = select_lowest(units, n_prune)
+    if round_to:
+        return round_kept(selection, units, kept_multiple(round_to, mapping.unit_size))
     return selection
+
+
+def select(weight: Tensor, stats: ActivationStats, mapping: UnitMap, n_prune: int, config: PruneConfig,
+           methods: Resolved) -> Selection:
+    """Kept and pruned units of a module: the run's selector, or its scorer's lowest units (the common case)."""
+    selection = methods.selection
+    if selection.kind == "selector":
+        return selection(weight, stats, mapping, n_prune, **config.scorer_params)
+    scores = selection(weight, stats, **config.scorer_params)
+    return select_units(mapping, scores, n_prune, config.head_aggregation, config.round_to)
 
 
 def prune_module(view: LayerView, module: str, stats: ActivationStats, config: PruneConfig, methods: Resolved,
                  timer: Timer, units: Selection | None = None,
-                 held_out: ActivationStats | None = None) -> dict[str, Any]:
-    """Score, select, compensate and shrink one module of one layer (``layer_view(layer)``); returns its diagnostics."""
+                 held_out: ActivationStats | None = None, *, n_prune: int | None = None) -> dict[str, Any]:
+    """Select, compensate and shrink one module of one layer (``layer_view(layer)``); returns its diagnostics.
+
+    ``units`` given: that selection; else ``n_prune`` units (default: the uniform count at ``config.ratio``)
+    chosen by the run's scorer or selector.
+    """
     proj = view.projection(module)
     mapping = view.units(module, config.gqa_rule)
     if units is None:
+        n_units = proj.weight.shape[1] // mapping.unit_size
+        count = units_to_prune(mapping, n_units, config.ratio, config.rounding) if n_prune is None else n_prune
         with timer("score"):
-            scores = methods.scorer(proj.weight, stats, **config.scorer_params)
-            units = select_units(mapping, scores, config)
+            units = select(proj.weight, stats, mapping, count, config, methods)
     columns = units.columns(mapping.unit_size)
     compensator = methods.compensator_for(module in config.compensate)
     params = config.compensator_params if module in config.compensate else {}
@@ -212,7 +224,8 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     registry = registry or default_registry()
     if not validated:
         config.validate(registry)
-    methods = registry.resolve(scorer=config.scorer, compensator=config.compensator, model_method=config.model_method)
+    methods = registry.resolve(scorer=config.scorer, compensator=config.compensator, model_method=config.model_method,
+                               allocation=config.allocation)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -220,7 +233,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         return _run_model_method(model, calib_ids, config, methods, device)
     check_prunable(model, [m for m in MODULES if m in config.prune])
     layers = decoder_layers(model)
-    selections = global_selections(model, calib_ids, config, methods, device) if config.structure == "al-am" else None
+    plans = allocate(model, calib_ids, config, methods, registry, device)
     totals = Timer(device)
     with totals("capture"):
         capture = partial(_capture, model, calib_ids, config, device)
@@ -232,9 +245,8 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         view = layer_view(layer)
         with _on_device(layer, device, config.offload):
             check_parameters(layer, f"layer {index} before pruning")
-            selection = selections[index] if selections else None
             held_stats = held.dense_stats(view, timer) if held else None
-            report, outputs = _prune_layer(view, inputs, config, methods, timer, selection, held_stats, index=index)
+            report, outputs = _prune_layer(view, inputs, config, methods, timer, plans[index], held_stats, index=index)
             check_parameters(layer, f"layer {index} after pruning and compensation")
             if config.statistics == "sequential":
                 with timer("forward"):
@@ -288,7 +300,7 @@ def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig,
 
 
 def _prune_layer(view: LayerView, inputs: list[LayerInput], config: PruneConfig, methods: Resolved, timer: Timer,
-                 selections: dict[str, Selection] | None, held_out: dict[str, ActivationStats] | None = None, *,
+                 allocated: dict[str, Selection | int], held_out: dict[str, ActivationStats] | None = None, *,
                  index: int) -> tuple[dict[str, Any], list[Tensor]]:
     """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
     modules = [m for m in MODULES if m in config.prune]
@@ -301,9 +313,10 @@ def _prune_layer(view: LayerView, inputs: list[LayerInput], config: PruneConfig,
             with timer("statistics"):
                 stats["mlp"] = _collect(view, inputs, {"mlp": plan["mlp"]}, config.gram_precision)[0]["mlp"]
         _check_statistics(stats[module], index, module)
-        units = selections[module] if selections else None
+        planned = allocated[module]
+        units, count = (planned, None) if isinstance(planned, Selection) else (None, planned)
         report[module] = prune_module(view, module, stats[module], config, methods, timer, units,
-                                      held_out[module] if held_out else None)
+                                      held_out[module] if held_out else None, n_prune=count)
         report[module]["statistics"] = "+".join(sorted(plan[module])) or "moments"
     return report, dense_outputs
 
@@ -313,40 +326,43 @@ def _check_statistics(stats: ActivationStats, index: int, module: str) -> None:
     check_tensor(stats.sq_sum, f"layer {index} {module}: the statistics of its pruned projection's inputs")
 
 
-# FLAP's adaptive structure (AL-AM) ------------------------------------------------------------------
+# Allocation: units pruned per layer and module ----------------------------------------------------------
 
-class Unit(NamedTuple):
-    score: float
-    cost: float
-    layer: int
-    module: str
-    index: int
+def allocate(model: nn.Module, calib_ids: Tensor, config: PruneConfig, methods: Resolved, registry: Registry,
+             device: torch.device) -> list[dict[str, Selection | int]]:
+    """Each layer's plan per module: a selection (AL-AM with a scorer: FLAP's global choice of units) or the number
+    of units its scorer or selector prunes (uniform, a registered profile, or AL-AM's counts with a selector)."""
+    layers = decoder_layers(model)
+    modules = [m for m in MODULES if m in config.prune]
+    if config.structure == AL_AM:
+        scorer = methods.selection if methods.selection.kind == "scorer" else registry.scorer(AL_AM_SCORER)
+        params = config.scorer_params if scorer is methods.selection else {}
+        selections = global_selections(model, calib_ids, config, scorer, params, device)
+        if scorer is methods.selection:
+            return selections  # type: ignore[return-value]
+        return [{m: len(chosen[m].pruned) for m in modules} for chosen in selections]
+    assert methods.allocation is not None  # prune_model resolved config.allocation
+    ratios = methods.allocation(len(layers), config.ratio, **config.allocation_params).tolist()
+    plans: list[dict[str, Selection | int]] = []
+    for layer, ratio in zip(layers, ratios, strict=True):
+        view = layer_view(layer)
+        plans.append({m: units_to_prune(view.units(m, config.gqa_rule), _n_units(view, m, config.gqa_rule), ratio,
+                                        config.rounding) for m in modules})
+    return plans
 
 
-def _layer_units(view: LayerView, index: int, module: str, scores: Tensor, gqa_rule: str) -> list[Unit]:
-    """AL-AM unit scores of one module: mean of standardized column scores (o_proj scores squared first)."""
-    mapping = view.units(module, gqa_rule)
-    if mapping.group_size > 1:
-        raise ValueError("structure='al-am' prunes whole key/value groups; use gqa_rule='group'")
-    if module == "attention":
-        scores = scores.square()
-    cost = view.unit_cost(module)
-    units = unit_scores(scores, mapping.unit_size, "standardized-mean")
-    return [Unit(float(score), cost, index, module, u) for u, score in enumerate(units)]
+def _n_units(view: Any, module: str, gqa_rule: str) -> int:
+    return view.projection(module).weight.shape[1] // view.units(module, gqa_rule).unit_size
 
 
 @torch.no_grad()
-def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, methods: Resolved,
-                      device: torch.device) -> list[dict[str, Selection]]:
-    """FLAP AL-AM: standardized per-layer scores, units weighted by parameter cost, one global threshold.
-
-    Scores come from one dense pass (one-shot statistics, moments only). All units of all layers are
-    sorted by score and kept, best first, while the kept cost moves closer to (1 − ρ) of the total.
-    Unlike FLAP, every module keeps at least its best unit, so no layer loses all heads or channels.
-    """
+def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, scorer: Any,
+                      params: dict[str, Any], device: torch.device) -> list[dict[str, Selection]]:
+    """FLAP AL-AM (``allocation.al_am``) on the ``scorer``'s standardized unit scores from one dense pass (one-shot
+    statistics, moments only)."""
     modules = [m for m in MODULES if m in config.prune]
     inputs = _capture(model, calib_ids, config, device)
-    units: list[Unit] = []
+    units = []
     for index, layer in enumerate(decoder_layers(model)):
         view = layer_view(layer)
         with _on_device(layer, device, config.offload):
@@ -354,46 +370,21 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
             stats, outputs = _collect(view, inputs, dict.fromkeys(modules, frozenset()), config.gram_precision)
             for module in modules:
                 _check_statistics(stats[module], index, module)
-                scores = methods.scorer(view.projection(module).weight, stats[module], **config.scorer_params)
-                units += _layer_units(view, index, module, scores, config.gqa_rule)
+                scores = scorer(view.projection(module).weight, stats[module], **params)
+                units += layer_units(layer, index, module, scores, config.gqa_rule)
         inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
-    kept = _global_keep(units, config.ratio)
     layers = decoder_layers(model)
-    selections = []
-    for i, layer in enumerate(layers):
-        selections.append({})
-        view = layer_view(layer)
-        for module in modules:
-            module_units = [u for u in units if u.layer == i and u.module == module]
-            selection = _selection(module_units, kept)
-            if config.round_to:
-                selection = _rounded(view.units(module).unit_size, module_units, selection, config.round_to)
-            selections[i][module] = selection
+    selections = al_am(units, config.ratio, len(layers), modules)
+    if config.round_to:
+        for i, layer in enumerate(layers):
+            for module in modules:
+                module_units = [u for u in units if u.layer == i and u.module == module]
+                selections[i][module] = _rounded(layer_view(layer).units(module).unit_size, module_units,
+                                                 selections[i][module], config.round_to)
     return selections
-
-
-def _global_keep(units: list[Unit], ratio: float) -> set[Unit]:
-    """Best-first units whose cumulative cost is closest to (1 − ρ)·total, plus each module's best unit."""
-    ordered = sorted(units, key=lambda u: (-u.score, u.layer, u.module, u.index))
-    target = (1 - ratio) * sum(u.cost for u in units)
-    kept, cost = set(), 0.0
-    for unit in ordered:
-        if abs(cost + unit.cost - target) > abs(cost - target):
-            break
-        kept.add(unit)
-        cost += unit.cost
-    best: dict[tuple[int, str], Unit] = {}
-    for unit in ordered:
-        best.setdefault((unit.layer, unit.module), unit)
-    return kept | set(best.values())
 
 
 def _rounded(unit_size: int, module_units: list[Unit], selection: Selection, channels: int) -> Selection:
     """An AL-AM module's selection with its kept width rounded to a multiple of ``channels`` (``round_kept``)."""
     scores = torch.tensor([u.score for u in sorted(module_units, key=lambda u: u.index)])
     return round_kept(selection, scores, kept_multiple(channels, unit_size))
-
-
-def _selection(module_units: list[Unit], kept: set[Unit]) -> Selection:
-    mask = torch.tensor([u in kept for u in sorted(module_units, key=lambda u: u.index)])
-    return Selection(mask.nonzero().flatten(), (~mask).nonzero().flatten())

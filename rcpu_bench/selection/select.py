@@ -54,22 +54,28 @@ def select_by_score(scores: Tensor, ratio: float, rounding: Rounding = "floor") 
     A stable sort on (score, index) makes the choice deterministic and prunes exactly n_pruned units,
     unlike the reference code's ``score >= threshold`` rule, which keeps extra units on ties.
     """
+    return select_lowest(scores, n_pruned(scores.numel(), ratio, rounding))
+
+
+def select_lowest(scores: Tensor, count: int) -> Selection:
+    """Prune the ``count`` lowest-scoring units (a stable sort: on ties the lower index is pruned first)."""
     if not torch.isfinite(scores).all():
         raise ValueError("scores contain NaN or infinite values")
-    count = n_pruned(scores.numel(), ratio, rounding)
+    if not 0 <= count < scores.numel():
+        raise ValueError(f"cannot prune {count} of {scores.numel()} units; allowed: 0 to {scores.numel() - 1}")
     order = torch.sort(scores, stable=True).indices
     return Selection(kept=order[count:].sort().values, pruned=order[:count].sort().values)
 
 
-def select_within_groups(scores: Tensor, group_size: int, ratio: float, rounding: Rounding = "floor") -> Selection:
-    """Prune the same number of lowest-scoring units inside every contiguous group of ``group_size``.
+def select_within_groups(scores: Tensor, group_size: int, count: int) -> Selection:
+    """Prune the ``count`` lowest-scoring units inside every contiguous group of ``group_size``.
 
-    The GQA "query" rule: each key/value group keeps all its k/v rows and loses n_pruned(group_size)
-    of its query heads, so every group still serves the same number of query heads.
+    The GQA "query" rule: each key/value group keeps all its k/v rows and loses the same number of its
+    query heads, so every group still serves the same number of query heads.
     """
     if scores.numel() % group_size:
         raise ValueError(f"group_size={group_size} does not divide the {scores.numel()} units")
-    picks = [select_by_score(group, ratio, rounding) for group in scores.reshape(-1, group_size)]
+    picks = [select_lowest(group, count) for group in scores.reshape(-1, group_size)]
     return Selection(torch.cat([p.kept + g * group_size for g, p in enumerate(picks)]),
                      torch.cat([p.pruned + g * group_size for g, p in enumerate(picks)]))
 

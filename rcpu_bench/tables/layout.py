@@ -39,7 +39,8 @@ ABLATION_LABELS = {
     BOTH_MODULES: f"{ROT} compensating both",
 }
 ROW_ORDER = [recipe.label for recipe in RECIPES.values()] + list(ABLATION_LABELS.values())
-TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency", "generalisation")
+TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency", "generalisation",
+               "main-effects")
 
 Slot = tuple[str, int]  # (model label, N_calib): one column group, or one table of a per-slot kind
 RowKey = tuple[str, float]  # (row label, pruning ratio)

@@ -25,7 +25,7 @@ from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES, re
 from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.options import is_default_pipeline
-from rcpu_bench.tables import generalisation
+from rcpu_bench.tables import generalisation, main_effects
 from rcpu_bench.tables.figures import DPI, save_figure
 from rcpu_bench.tables.layout import any_row, cell_grid, compensates_all
 from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, ppl_of
@@ -250,4 +250,5 @@ def write_plots(results: Sequence[StoredResult], out_dir: str | Path, profile: s
         for model, panels in data_of(results, profile, lambda_rule).items():
             figure = draw(model, panels, profile, dense.get(model), lambda_rule)
             paths += save_figure(figure, out_dir, _file_stem(kind, model))
-    return paths + generalisation.write_plots(results, out_dir)
+    return paths + generalisation.write_plots(results, out_dir) + main_effects.write_plots(results, out_dir, profile,
+                                                                                          lambda_rule)
