@@ -26,7 +26,7 @@ def test_log_increase_ratios_sum_to_the_target_and_grow_with_the_log_of_depth(n_
     ratios = log_increase(n_layers, ratio, spread=spread)
     assert float(ratios.sum()) == pytest.approx(n_layers * ratio, abs=1e-9)
     assert float(ratios[0]) == pytest.approx(ratio * (1 - spread), abs=1e-12)
-    if ratio * spread > 1e-9:
+    if ratio * spread > 1e-6:  # below, the rise's denominator is rounding-sized
         rise = (ratios - ratios[0]) / (ratios[-1] - ratios[0])
         expected = [math.log(1 + layer) / math.log(n_layers) for layer in range(n_layers)]
         assert rise.tolist() == pytest.approx(expected, abs=1e-9)

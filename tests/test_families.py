@@ -114,17 +114,18 @@ RATIO_ZERO = [(name, "procrustes") for name in CASES if name != "llama-biases"]
 RATIO_ZERO += [("llama-biases", compensator) for compensator in COMPENSATORS]
 
 
+@pytest.mark.parametrize("precision, atol", [("float64", 1e-5), ("mixed", 1e-4)])
 @pytest.mark.parametrize("name, compensator", RATIO_ZERO)
-def test_ratio_zero_leaves_the_logits_unchanged(name, compensator):
+def test_ratio_zero_leaves_the_logits_unchanged(name, compensator, precision, atol):
     """Every family with the default compensator; every compensator keeps existing o_proj / down_proj biases
-    ("llama-biases"): a compensator's bias adds to them."""
+    ("llama-biases"): a compensator's bias adds to them. In float64 statistics Q = I to rounding; the default mixed
+    statistics (float32 products summed in float64, procrustes' cross statistic C from the module's own float32
+    outputs) leave Q = I up to float32 rounding, measured up to 6.8e-5 on Gemma-2's logits."""
     model = build(name)
     dense = copy.deepcopy(model)
-    reports = prune(model, name, ratio=0.0, compensator=compensator)
+    reports = prune(model, name, ratio=0.0, compensator=compensator, gram_precision=precision)
     assert all(layer[m]["units_pruned"] == 0 for layer in reports for m in CASES[name].prune)
-    # 3e-5: the default statistics are float32 products summed in float64 (procrustes' cross statistic C for
-    # down_proj), so Q at ρ = 0 is the identity up to float32 rounding (measured 1.1e-5 on these logits).
-    torch.testing.assert_close(logits(model, ids(seed=1)), logits(dense, ids(seed=1)), atol=3e-5, rtol=0)
+    torch.testing.assert_close(logits(model, ids(seed=1)), logits(dense, ids(seed=1)), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("name", CASES)

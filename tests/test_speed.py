@@ -26,7 +26,7 @@ def record_forwards(model) -> list[tuple[tuple[int, ...], int]]:
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # "cache" from transformers 5.24
         calls.append((tuple(ids.shape), 0 if cache is None else cache.get_seq_length()))
 
     model.register_forward_pre_hook(hook, with_kwargs=True)

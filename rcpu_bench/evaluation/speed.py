@@ -9,6 +9,7 @@ a pruned model's speed-up is the ratio of two records measured the same way. ``r
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from typing import Any
@@ -26,6 +27,12 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def cache_argument(model: Any) -> str:
+    """The forward argument (and output field) carrying the key/value cache: ``cache`` from transformers 5.24,
+    ``past_key_values`` before (deprecated since)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _timed(device: torch.device, step: Any) -> tuple[Any, float]:
     """``step()``'s result and its wall-clock seconds, the device synchronized before and after."""
     _synchronize(device)
@@ -40,12 +47,14 @@ def prefill_and_decode(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[
     decode steps (each a forward pass of the previous step's greedy token per sequence, on the cache)."""
     device = ids.device
 
+    name = cache_argument(model)
+
     def decode(output: Any) -> None:
-        cache = output.past_key_values
+        cache = output[name]
         for _ in range(new_tokens):
             token = output.logits[:, -1:].argmax(dim=-1)
-            output = model(token, past_key_values=cache, use_cache=True)
-            cache = output.past_key_values
+            output = model(token, **{name: cache}, use_cache=True)
+            cache = output[name]
 
     with torch.no_grad():
         output, prefill = _timed(device, lambda: model(ids, use_cache=True))

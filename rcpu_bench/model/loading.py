@@ -130,7 +130,11 @@ def check_remote_code(name: str, config_file: str | Path, trust_remote_code: boo
 
     One line, before transformers' own refusal (several lines) or, where trust is left undecided, its prompt.
     """
-    settings = json.loads(Path(config_file).read_text())
+    try:
+        settings = json.loads(Path(config_file).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"model {name}: {Path(config_file).name} is not a valid JSON file ({error}); allowed: a "
+                         "transformers config.json") from None
     if not trust_remote_code and "auto_map" in settings and settings.get("model_type") not in CONFIG_MAPPING:
         raise ValueError(f"model {name} ships Python code that loading it would run (config.json auto_map, "
                          f"model_type {settings.get('model_type')!r}); pass --trust-remote-code "

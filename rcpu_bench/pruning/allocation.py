@@ -20,13 +20,13 @@ from torch import Tensor, nn
 
 from rcpu_bench.model.adapter import layer_view
 from rcpu_bench.model.views import UnitMap
-from rcpu_bench.pruning.options import AL_AM, UNIFORM
 from rcpu_bench.selection.scorers import unit_scores
 from rcpu_bench.selection.select import Rounding, Selection, n_pruned
 
 __all__ = ["AL_AM", "AL_AM_SCORER", "UNIFORM", "Unit", "al_am", "layer_units", "log_increase", "uniform",
            "units_to_prune"]
 # AL-AM needs a score per unit; a selector (OBS) has none, so its per-layer counts come from FLAP's own score.
+AL_AM, UNIFORM = "al-am", "uniform"  # the allocations the pipeline computes itself
 AL_AM_SCORER = "flap-wifv"
 
 

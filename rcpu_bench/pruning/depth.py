@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from rcpu_bench.model.adapter import decoder_layers, layer_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
+from rcpu_bench.model.views import MODULES
 from rcpu_bench.pruning.allocation import units_to_prune
-from rcpu_bench.pruning.options import MODULES
 
 BATCH = 8  # calibration windows per forward pass
 
@@ -80,8 +80,9 @@ def remove_layers(model: nn.Module, removed: list[int]) -> None:
     layers = decoder_layers(model)
     kept = [layer for i, layer in enumerate(layers) if i not in set(removed)]
     for index, layer in enumerate(kept):
-        if hasattr(getattr(layer, "self_attn", None), "layer_idx"):
-            layer.self_attn.layer_idx = index
+        for module in layer.modules():  # the attention block's cache index, whatever the family calls it
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = index
     model.model.layers = nn.ModuleList(kept)
     config = model.config
     if getattr(config, "layer_types", None) is not None:

@@ -19,6 +19,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_type_hints
 
 from rcpu_bench.model.views import MODULES
+from rcpu_bench.pruning.allocation import AL_AM, UNIFORM
 from rcpu_bench.selection.select import Rounding, n_pruned
 from rcpu_bench.statistics.activations import GramPrecision
 
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from rcpu_bench.model.views import LayerGeometry
     from rcpu_bench.registry import Registry
 
-AL_AM, UNIFORM = "al-am", "uniform"  # the allocations the pipeline computes itself (rcpu_bench.pruning.allocation)
 
 Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count", "windows", "multiple"]
 

@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, resolve
 from rcpu_bench.matrix.store import StoredResult
-from rcpu_bench.pruning.options import AL_AM
+from rcpu_bench.pruning.allocation import AL_AM
 from rcpu_bench.tables.layout import compensates_all
 from rcpu_bench.tables.results import Metric, ppl_of
 from rcpu_bench.tables.table import Column, Row, Table
