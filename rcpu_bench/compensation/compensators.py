@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -150,12 +151,13 @@ class Problem:
         w_new = new_weight.detach().to(device=self.stats.device, dtype=torch.float64)
         return float((self.pruned_error + 2 * (self.yxk * (self.wk - w_new)).sum()).clamp_min(0))
 
-    def result(self, new_weight: Tensor, bias: Tensor | None = None, /, *, after: Callable[[], float] | None = None,
-               **info: float | str) -> Compensation:
+    def result(self, new_weight: Tensor, bias: Tensor | None = None, after: Callable[[], float] | None = None, /,
+               **info: Any) -> Compensation:
         """Cast back to the module's dtype/device, reject non-finite values, record the objective before/after.
 
         The objective needs G; ``after``, when the compensator knows it more cheaply, computes the objective
-        of ``new_weight``. ``new_weight`` and ``bias`` are positional, so that any other name can be a key of ``info``.
+        of ``new_weight``. ``new_weight``, ``bias`` and ``after`` are positional, so that any other name can be a key of
+        ``info``.
         """
         if not torch.isfinite(new_weight).all() or (bias is not None and not torch.isfinite(bias).all()):
             raise FloatingPointError("compensation produced NaN or infinite weights")
@@ -230,7 +232,7 @@ def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, 
     if compute == torch.float64:
         def after() -> float:
             return problem.error(new_weight, quadratic=((rhs - lam * new_weight) * new_weight).sum())
-    return problem.result(new_weight, after=after, **damping)
+    return problem.result(new_weight, None, after, **damping)
 
 
 def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
@@ -279,7 +281,7 @@ def procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Ten
     rot = rotation(problem, compute, solver)
     new_weight = rot.q @ problem.wk.to(compute)
     checked = compute == torch.float64 and "orthogonality_unchecked" not in rot.info
-    return problem.result(new_weight, after=(lambda: problem.rotated_error(new_weight)) if checked else None,
+    return problem.result(new_weight, None, (lambda: problem.rotated_error(new_weight)) if checked else None,
                           **rot.info)
 
 

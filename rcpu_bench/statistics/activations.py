@@ -195,7 +195,7 @@ class ActivationStats:
         """Add another accumulator's sums into this one (e.g. from another device or worker)."""
         if (other.d_in != self.d_in or other.kinds != self.kinds
                 or (other.out_sq_sum is None) != (self.out_sq_sum is None)
-                or (other.cross is not None and other.cross.shape != self.cross.shape)):
+                or (other.cross is not None and (self.cross is None or other.cross.shape != self.cross.shape))):
             raise ValueError("cannot merge statistics of different widths or kinds")
         self.n += other.n
         self.inputs_dtype = torch.promote_types(self.inputs_dtype, other.inputs_dtype)
