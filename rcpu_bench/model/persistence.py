@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_model as load_weights
 from safetensors.torch import save_file
 from torch import Tensor, nn
@@ -61,6 +60,11 @@ from rcpu_bench.model.loading import (
 )
 from rcpu_bench.model.views import MODULES, LayerView
 from rcpu_bench.records import library_versions
+
+try:
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # huggingface_hub < 0.35 (the transformers 4.x floor): configs are not strict dataclasses there
+    StrictDataclassError = ValueError  # type: ignore[misc,assignment]
 
 FORMAT = "rcpu-bench-pruned"
 FORMAT_VERSION = 3
