@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from rcpu_bench.compensation.rotation import Rotation, polar
-from rcpu_bench.statistics.activations import GRAM_BLOCK, ActivationStats
+from rcpu_bench.statistics.activations import ActivationStats
 
 # The paper's λ grid: 10^-6 … 10^6, 13 values.
 LAMBDA_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-6, 7))
@@ -41,21 +41,6 @@ def _dtype(name: str) -> torch.dtype:
     if name not in allowed:
         raise ValueError(f"unknown compute dtype {name!r}; allowed: {', '.join(allowed)}")
     return allowed[name]
-
-
-def blocked_product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
-    """A B in float64 from products in ``dtype`` of blocks of ``GRAM_BLOCK`` along the inner dimension.
-
-    In float32 ("mixed", as the statistics' own sums) each entry is within (GRAM_BLOCK + 2)·u·Σ|a||b| of
-    the float64 product (u = 2⁻²⁴: rounding of the inputs and of a length-``GRAM_BLOCK`` dot product); in
-    float64 it is the plain product.
-    """
-    if dtype == torch.float64:
-        return a @ b
-    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
-    for start in range(0, a.shape[1], GRAM_BLOCK):
-        out += a[:, start : start + GRAM_BLOCK].to(dtype) @ b[start : start + GRAM_BLOCK].to(dtype)
-    return out
 
 
 class Problem:
@@ -88,13 +73,7 @@ class Problem:
         if self.stats.gram is None:
             raise ValueError("these statistics have neither the cross statistic C = Σ y xᵀ nor the Gram matrix G; "
                              "collect one for a compensator that declares needs='cross' or 'gram'")
-        return blocked_product(self.w, self.stats.gram[:, self.kept], self.product_dtype)
-
-    @property
-    def product_dtype(self) -> torch.dtype:
-        """Products of the statistics (W G[:,K], M): float64. Float32 blocks (``blocked_product``) were measured to
-        move a ratio-0 procrustes model's logits by 1.5e-5, above the 1e-5 the family tests allow."""
-        return torch.float64
+        return self.w @ self.stats.gram[:, self.kept]
 
     @cached_property
     def gkk(self) -> Tensor:
@@ -258,8 +237,8 @@ def rotation(problem: Problem, dtype: torch.dtype, solver: str) -> Rotation:
     """Orthogonal Procrustes Q* = argmax_{QᵀQ=I} tr(QᵀM), M = Y Zᵀ = Y X_Kᵀ W_Kᵀ (paper eq. procrustes_sol).
 
     M is formed from Y X_Kᵀ (C[:,K] or W G[:,K]) and W_K: in float32 for ``dtype='float32'`` (as the official
-    code forms Y Aᵀ), else summed in float64 from the statistics' products (``blocked_product``: float32
-    blocks for the mixed statistics of a float32 module); ``rcpu_bench.compensation.rotation.polar`` documents
+    code forms Y Aᵀ), else in float64 (float32 products here moved a ratio-0 model's logits by 1.5e-5);
+    ``rcpu_bench.compensation.rotation.polar`` documents
     the solvers and the choice of Q when M is rank-deficient.
     Q may be a reflection (det −1), as in the paper. Only ``solver='official'`` takes ``dtype='float32'``
     alone: it reproduces the official float32 numerics.
@@ -267,8 +246,7 @@ def rotation(problem: Problem, dtype: torch.dtype, solver: str) -> Rotation:
     if solver == "official" and dtype != torch.float32:
         raise ValueError(f"solver='official' computes in float32 as the official code; got dtype={dtype}: "
                          "pass dtype='float32'")
-    m = problem.yxk.to(dtype) @ problem.wk.to(dtype).T if dtype != torch.float64 else \
-        blocked_product(problem.yxk, problem.wk.T, problem.product_dtype)
+    m = problem.yxk.to(dtype) @ problem.wk.to(dtype).T
     result = polar(m, solver)
     result.info["compute_dtype"] = str(dtype).removeprefix("torch.")
     return result

@@ -98,7 +98,6 @@ class ActivationStats:
     lower_stale: bool = False
     cross: Tensor | None = None  # C = Σ y xᵀ (d_out × d_in), y the bias-free output
     out_sq_sum: Tensor | None = None  # ‖Y‖² = Σ‖y‖² (a float64 scalar), when outputs are seen
-    inputs_dtype: torch.dtype = torch.float32  # the widest input dtype seen (and float32 at least)
 
     @classmethod
     def empty(cls, d_in: int, *, with_gram: bool = True, device: torch.device | str | None = None,
@@ -147,12 +146,6 @@ class ActivationStats:
         return self.sum.device
 
     @property
-    def product_dtype(self) -> torch.dtype:
-        """The dtype of the products derived from these sums (``compensation.compensators.blocked_product``):
-        float64 for the float64 reference path or float64 inputs, else float32 (the "mixed" products)."""
-        return torch.float64 if self.gram_precision == "float64" else self.inputs_dtype
-
-    @property
     def kinds(self) -> frozenset[str]:
         """Which of the costly statistics were collected: a subset of {"gram", "cross"}."""
         return frozenset(name for name, t in (("gram", self.gram_sums), ("cross", self.cross)) if t is not None)
@@ -166,7 +159,6 @@ class ActivationStats:
         rows = x.detach().reshape(-1, self.d_in).to(self.device)
         outs = None if outputs is None else outputs.detach().reshape(rows.shape[0], -1).to(self.device)
         product_dtype = torch.promote_types(rows.dtype, torch.float32)
-        self.inputs_dtype = torch.promote_types(self.inputs_dtype, product_dtype)
         for start in range(0, rows.shape[0], CHUNK_TOKENS):
             chunk = rows[start : start + CHUNK_TOKENS].to(torch.float64)
             self.n += chunk.shape[0]
@@ -198,7 +190,6 @@ class ActivationStats:
                 or (other.cross is not None and (self.cross is None or other.cross.shape != self.cross.shape))):
             raise ValueError("cannot merge statistics of different widths or kinds")
         self.n += other.n
-        self.inputs_dtype = torch.promote_types(self.inputs_dtype, other.inputs_dtype)
         names = ("sum", "abs_sum", "sq_sum") + tuple(
             name for name in ("gram", "cross", "out_sq_sum") if getattr(self, name) is not None)
         for name in names:

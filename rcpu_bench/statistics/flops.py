@@ -14,7 +14,7 @@ three are float32 products summed in float64 in "mixed" precision):
 
     collect G (upper block triangle)              N·d_in²
     collect C                                     2·N·d_out·d_in
-    Y X_Kᵀ = W G[:,K] from G (``blocked_product``)  2·d_out·d_in·k
+    Y X_Kᵀ = W G[:,K] from G (float64)            2·d_out·d_in·k
 
 E.g. LLaMA-7B at N = 16,384, ratio 0.2: o_proj (4096 → 4096, k ≈ 3277) {G} 3.9e11 < {C} 5.5e11;
 down_proj (11,008 → 4096, k ≈ 8806) {C} 1.5e12 < {G} 2.8e12, and for ridge {G} 2.8e12 < {G, C} 3.5e12.
