@@ -53,8 +53,8 @@ from torch import Tensor, nn
 from transformers import LlamaForCausalLM
 
 from rcpu_bench.model import capture_layer_inputs, decoder_layers, layer_view, run_layer
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, Timer, prune_module
-from rcpu_bench.registry import default_registry
 from rcpu_bench.selection.select import Selection
 from rcpu_bench.statistics.activations import GRAM_PRECISIONS, collect_input_stats
 from rcpu_bench.statistics.flops import cheapest_statistics, expected_kept

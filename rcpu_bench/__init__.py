@@ -30,7 +30,7 @@ _HOMES = {
     "ActivationStats": "statistics.activations", "collect_input_stats": "statistics.activations",
     "Compensation": "compensation.compensators", "Problem": "compensation.compensators",
     "Selection": "selection.select", "select_by_score": "selection.select",
-    "Method": "registry", "Registry": "registry", "Resolved": "registry", "default_registry": "registry",
+    "Method": "registry", "Registry": "registry", "Resolved": "registry", "default_registry": "plugins",
     "Experiment": "experiment", "run_experiment": "experiment",
     "Record": "records", "library_versions": "records",
 }
@@ -53,8 +53,9 @@ if TYPE_CHECKING:
         Selector,
         hookimpl,
     )
+    from rcpu_bench.plugins import default_registry
     from rcpu_bench.records import Record, library_versions
-    from rcpu_bench.registry import Method, Registry, Resolved, default_registry
+    from rcpu_bench.registry import Method, Registry, Resolved
     from rcpu_bench.selection.select import Selection, select_by_score
     from rcpu_bench.statistics.activations import ActivationStats, collect_input_stats
 

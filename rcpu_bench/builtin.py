@@ -1,4 +1,4 @@
-"""The built-in methods: a plugin like any other, registered in code by ``registry.plugin_manager``."""
+"""The built-in methods: a plugin like any other, registered in code by ``plugins.plugin_manager``."""
 
 from rcpu_bench.compensation import compensators
 from rcpu_bench.hookspecs import Register, hookimpl

@@ -34,9 +34,10 @@ from rcpu_bench.model.loading import (
 )
 from rcpu_bench.model.persistence import save_pruned
 from rcpu_bench.paths import check_new_dir, default_model
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.records import Record, environment, library_versions
-from rcpu_bench.registry import Registry, default_registry
+from rcpu_bench.registry import Registry
 
 DEFAULT_CALIB = "tinystories:128x128"
 

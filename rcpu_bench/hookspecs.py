@@ -27,8 +27,7 @@ if TYPE_CHECKING:
     from torch import Tensor, dtype, nn
 
     from rcpu_bench.compensation.compensators import Compensation
-    from rcpu_bench.model.views import UnitMap
-    from rcpu_bench.selection.select import Selection
+    from rcpu_bench.selection.select import Selection, UnitMap
     from rcpu_bench.statistics.activations import ActivationStats
 
 hookspec = pluggy.HookspecMarker("rcpu_bench")

@@ -1,20 +1,18 @@
 """The method registry: every scorer, compensator and whole-model method, built-in or third-party.
 
-The built-ins (``rcpu_bench.builtin``) are registered in code; third-party plugins come from the
-``rcpu_bench`` entry-point group. Each plugin's hooks are called with a ``register`` bound to it, and a
-plugin is admitted whole or not at all: if a hook raises, a name clashes with an earlier plugin's, or a
-method fails its trial run, the plugin is recorded in ``Registry.broken`` with the reason and its names
-answer with that reason; the built-ins and every other plugin keep working. ``Registry.resolve`` looks
-a run's names up once, before any layer is touched.
+Which plugins make the default registry (the built-ins, then the ``rcpu_bench`` entry-point group) is decided
+one floor up, in ``rcpu_bench.plugins``: this module names no plugin. Each plugin's hooks are called with a
+``register`` bound to it, and a plugin is admitted whole or not at all: if a hook raises, a name clashes with an
+earlier plugin's, or a method fails its trial run, the plugin is recorded in ``Registry.broken`` with the reason
+and its names answer with that reason; the built-ins and every other plugin keep working. ``Registry.resolve``
+looks a run's names up once, before any layer is touched.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
 from importlib import metadata
 from types import MappingProxyType
 from typing import Any
@@ -22,7 +20,7 @@ from typing import Any
 import pluggy
 import torch
 
-from rcpu_bench import builtin, hookspecs, strict_json
+from rcpu_bench import hookspecs, strict_json
 from rcpu_bench.compensation.rotation import tolerance as orthogonality_tolerance
 from rcpu_bench.hookspecs import (
     NEEDS,
@@ -34,9 +32,8 @@ from rcpu_bench.hookspecs import (
     ScorerEntry,
     SelectorEntry,
 )
-from rcpu_bench.model.views import UnitMap
+from rcpu_bench.selection.select import UnitMap
 from rcpu_bench.statistics.activations import ActivationStats
-from rcpu_bench.version import __version__
 
 KINDS: tuple[Kind, ...] = ("scorer", "selector", "compensator", "model-method", "allocation")
 _HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "selector": "register_selectors",
@@ -398,11 +395,6 @@ class PluginManager(pluggy.PluginManager):
         self.providers: dict[str, str] = {}
         self.broken: dict[str, str] = {}
 
-    def register_builtins(self) -> None:
-        """The built-in methods, registered in code (no installed metadata needed)."""
-        self.register(builtin, name="builtin")
-        self.providers["builtin"] = f"builtin (rcpu-bench {__version__})"
-
     def load_entry_points(self) -> None:
         """Register every ``rcpu_bench`` entry point, by name; one that fails to import is recorded, not fatal.
 
@@ -420,19 +412,6 @@ class PluginManager(pluggy.PluginManager):
                 self.broken[provider] = f"{type(error).__name__}: {error}"
             else:
                 self.providers[entry.name] = provider
-
-
-def plugin_manager(extra_plugins: Iterable[tuple[str, object]] = (), *, entry_points: bool = True,
-                   builtins: bool = True) -> PluginManager:
-    """A plugin manager with the built-ins, the entry-point plugins and any extra (name, plugin), in that order."""
-    pm = PluginManager()
-    if builtins:
-        pm.register_builtins()
-    if entry_points:
-        pm.load_entry_points()
-    for name, plugin in extra_plugins:
-        pm.register(plugin, name=name)
-    return pm
 
 
 def build_registry(pm: PluginManager) -> Registry:
@@ -471,19 +450,3 @@ def _call_hook(hook: Callable[..., None], hook_name: str, kind: Kind, provider: 
         hook(register=register)
     except Exception as error:
         raise _HookFailed(f"{hook_name} raised {type(error).__name__}: {error}") from error
-
-
-# Set to 1: the default registry holds the built-ins only, no installed plugin (as pytest's
-# PYTEST_DISABLE_PLUGIN_AUTOLOAD; the tests set it, so that they do not depend on what happens to be installed).
-DISABLE_AUTOLOAD = "RCPU_BENCH_DISABLE_PLUGIN_AUTOLOAD"
-
-
-def default_registry() -> Registry:
-    """The registry of the built-ins and all installed plugins (built once per process), or of the built-ins only
-    when the environment sets ``RCPU_BENCH_DISABLE_PLUGIN_AUTOLOAD=1``."""
-    return _registry(entry_points=os.environ.get(DISABLE_AUTOLOAD) != "1")
-
-
-@lru_cache(maxsize=2)
-def _registry(entry_points: bool) -> Registry:
-    return build_registry(plugin_manager(entry_points=entry_points))

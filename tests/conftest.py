@@ -7,7 +7,7 @@ import os
 import pytest
 from tiny_models import STORIES, STORIES_MHA
 
-from rcpu_bench.registry import DISABLE_AUTOLOAD
+from rcpu_bench.plugins import DISABLE_AUTOLOAD
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"

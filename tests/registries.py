@@ -6,7 +6,8 @@ from functools import lru_cache
 
 import pytest
 
-from rcpu_bench.registry import Registry, build_registry, plugin_manager
+from rcpu_bench.plugins import plugin_manager
+from rcpu_bench.registry import Registry, build_registry
 
 
 @lru_cache(maxsize=1)

@@ -13,10 +13,11 @@ from tiny_models import tiny_config, tiny_model, tokens
 
 from rcpu_bench import hookimpl
 from rcpu_bench.matrix.cells import cell_id
+from rcpu_bench.plugins import default_registry, plugin_manager
 from rcpu_bench.pruning.allocation import log_increase
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.pipeline import prune_model
-from rcpu_bench.registry import build_registry, default_registry, plugin_manager
+from rcpu_bench.registry import build_registry
 from rcpu_bench.selection.select import Selection
 
 
@@ -67,7 +68,8 @@ def test_log_increase_prunes_each_layer_at_its_own_ratio():
     config = tiny_config(layers=4, n_kv_heads=6, intermediate=40)
     model = tiny_model(config)
     report = prune_model(model, tokens(config.vocab_size, batch=4, length=12),
-                         PruneConfig(ratio=0.3, allocation="log-increase", compensator="none"), progress=False)
+                         PruneConfig(ratio=0.3, allocation="log-increase", compensator="none"), progress=False,
+                             registry=default_registry())
     depth = [math.log(1 + layer) / math.log(4) for layer in range(4)]
     ratios = [0.3 + 0.3 / (sum(depth) / 4) * (d - sum(depth) / 4) for d in depth]
     assert units_pruned(report, "mlp") == [math.floor(r * 40 + 1e-9) for r in ratios]
@@ -82,7 +84,8 @@ def test_obs_under_al_am_prunes_flap_s_per_layer_counts():
     counts = {}
     for scorer in ("flap-wifv", "obs"):
         report = prune_model(copy.deepcopy(dense), ids, PruneConfig(ratio=0.3, scorer=scorer, structure="al-am",
-                                                                    compensator="none"), progress=False)
+                                                                    compensator="none"), progress=False,
+                                                                        registry=default_registry())
         counts[scorer] = (units_pruned(report, "attention"), units_pruned(report, "mlp"))
     assert counts["obs"] == counts["flap-wifv"]
 

@@ -16,7 +16,8 @@ from tiny_models import STORIES, STORIES_MHA, needs_stories
 from rcpu_bench import data
 from rcpu_bench.cli import main
 from rcpu_bench.model import loading
-from rcpu_bench.registry import Registry, build_registry, plugin_manager
+from rcpu_bench.plugins import plugin_manager
+from rcpu_bench.registry import Registry, build_registry
 
 QUICK = ["--calib", "tinystories:8x32", "--ppl", "tinystories[900:902]", "--quiet"]
 

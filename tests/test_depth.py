@@ -9,6 +9,7 @@ import torch
 from tiny_models import tiny_config, tiny_model, tokens
 
 from rcpu_bench.model.adapter import decoder_layers
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.depth import block_influence, matched_layer_count, replaceme_transform
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.pipeline import prune_model
@@ -60,7 +61,7 @@ def test_the_matched_layer_count_is_what_width_pruning_removes():
     per_layer = sum(p.numel() for p in decoder_layers(model)[0].parameters())
     width = copy.deepcopy(model)
     before = sum(p.numel() for p in width.parameters())
-    prune_model(width, ids, PruneConfig(ratio=0.3, compensator="none"), progress=False)
+    prune_model(width, ids, PruneConfig(ratio=0.3, compensator="none"), progress=False, registry=default_registry())
     removed = before - sum(p.numel() for p in width.parameters())
     count, matched = matched_layer_count(model, 0.3)
     assert matched == removed and count == round(removed / per_layer)
@@ -73,7 +74,8 @@ def test_the_matched_layer_count_is_what_width_pruning_removes():
 def test_depth_methods_remove_the_matched_layers_and_report_both_counts(method):
     model, ids = model_and_ids()
     dense = copy.deepcopy(model)
-    report = prune_model(model, ids, PruneConfig(ratio=0.3, model_method=method), progress=False).method_report
+    report = prune_model(model, ids, PruneConfig(ratio=0.3, model_method=method), progress=False,
+                         registry=default_registry()).method_report
     count, width = matched_layer_count(dense, 0.3)
     assert report["n_layers_removed"] == count
     assert len(decoder_layers(model)) == model.config.num_hidden_layers == 6 - count

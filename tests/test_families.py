@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from rcpu_bench.model.adapter import check_architecture, layer_view
 from rcpu_bench.model.families import FAMILIES
 from rcpu_bench.model.loading import parameter_count
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.pipeline import prune_model
 
@@ -86,7 +87,7 @@ def logits(model: nn.Module, tokens: Tensor) -> Tensor:
 
 def prune(model: nn.Module, name: str, **options) -> list[dict]:
     config = PruneConfig(**{"ratio": 0.34, "prune": CASES[name].prune, "compensate": CASES[name].prune, **options})
-    return prune_model(model, ids(), config, progress=False).layers
+    return prune_model(model, ids(), config, progress=False, registry=default_registry()).layers
 
 
 def pruned_columns(report: dict, module: str) -> Tensor:
@@ -217,7 +218,7 @@ def test_olmo2_refuses_head_pruning_before_any_work_and_prunes_the_mlp():
     model = build("olmo2")
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=r"cannot prune attention of Olmo2ForCausalLM.*normalise all heads together"):
-        prune_model(model, ids(), PruneConfig(ratio=0.34), progress=False)
+        prune_model(model, ids(), PruneConfig(ratio=0.34), progress=False, registry=default_registry())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert prune(model, "olmo2", compensator="ridge")[0]["mlp"]["units_pruned"] == 6
 
@@ -253,7 +254,8 @@ def test_tables_mark_a_run_whose_scale_a_post_norm_voided():
     prune_config = asdict(PruneConfig(compensator="scaled-procrustes"))
     label = label_of(prune_config)
     gemma = build("gemma2")
-    layers = prune_model(gemma, ids(), PruneConfig(compensator="scaled-procrustes", ratio=0.34), progress=False).layers
+    layers = prune_model(gemma, ids(), PruneConfig(compensator="scaled-procrustes", ratio=0.34), progress=False,
+                         registry=default_registry()).layers
     record = Record({"prune": prune_config}, {}, [], {}, 0, layers=layers)
     assert label and method_row(StoredResult("c", {}, record, 0.0)) == label + SCALE_VOID
     record.layers = prune(build("llama"), "llama", compensator="scaled-procrustes")

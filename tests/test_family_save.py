@@ -20,6 +20,7 @@ from rcpu_bench.matrix.store import Store
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_config, load_model, parameter_count
 from rcpu_bench.model.persistence import load_pruned, save_pruned
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.pipeline import prune_model
 
@@ -41,7 +42,7 @@ def pruned_family(name: str, structure: str):
     model, config = family_model(name), STRUCTURES[structure][0]
     if name in MLP_ONLY:
         config = replace(config, prune=("mlp",), compensate=("mlp",))
-    prune_model(model, ids(1), config, progress=False)
+    prune_model(model, ids(1), config, progress=False, registry=default_registry())
     return model
 
 
@@ -205,7 +206,7 @@ def test_a_saved_per_layer_model_is_a_model_to_prune_again(tmp_path):
     assert config.max_position_embeddings == model.config.max_position_embeddings  # read through to the family's
     loaded = load_model(str(tmp_path / "m"))
     assert torch.equal(logits(loaded.model, ids()), logits(model, ids()))
-    prune_model(loaded.model, ids(1), PruneConfig(ratio=0.25), progress=False)
+    prune_model(loaded.model, ids(1), PruneConfig(ratio=0.25), progress=False, registry=default_registry())
     assert save_pruned(loaded.model, tmp_path / "again")["config"] == "per_layer"
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     assert torch.equal(logits(again, ids()), logits(loaded.model, ids()))

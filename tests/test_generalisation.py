@@ -17,6 +17,7 @@ from transformers import LlamaForCausalLM
 from rcpu_bench import cli, data
 from rcpu_bench.matrix.spec import Cell
 from rcpu_bench.matrix.store import StoredResult
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.tables import generalisation
 from rcpu_bench.tables.render import render
@@ -67,7 +68,7 @@ def test_bad_holdout_settings_are_refused(fields):
 def test_holdout_count_must_match_the_windows_given():
     with pytest.raises(ValueError, match="holdout=2 but 0 held-out windows"):
         prune_model(tiny_model(tiny_config()), torch.zeros(1, 4, dtype=torch.long), PruneConfig(holdout=2),
-                    device="cpu", progress=False)
+                    device="cpu", progress=False, registry=default_registry())
 
 
 def test_cell_ids_do_not_change_unless_holdout_is_set():
@@ -113,7 +114,8 @@ def test_held_out_errors_match_materialised_activations_of_the_pruned_model(comp
     model = copy.deepcopy(dense)
     params = {"lam": 1e-2} if compensator == "ridge" else {}
     report = prune_model(model, calib, PruneConfig(ratio=0.25, compensator=compensator, compensator_params=params,
-                                                   holdout=4), holdout_ids=held, progress=False)
+                                                   holdout=4), holdout_ids=held, progress=False,
+                                                       registry=default_registry())
     for layer in (0, 1):
         upstream = copy.deepcopy(dense)
         for index in range(layer):

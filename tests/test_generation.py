@@ -11,6 +11,7 @@ from rcpu_bench.cli import main
 from rcpu_bench.evaluation.generation import SAMPLE_PROMPT, SAMPLE_TOKENS, greedy_continuation, text_sample
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.model.persistence import load_pruned, save_pruned
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 
 
@@ -60,7 +61,7 @@ def run_generate(argv: list[str]) -> int:
 def test_generate_command_prints_pruned_and_dense_side_by_side(tmp_path, capsys):
     loaded = load_model(str(STORIES_MHA))
     calib = torch.randint(3, loaded.model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
-    prune_model(loaded.model, calib, PruneConfig(ratio=0.5), progress=False)
+    prune_model(loaded.model, calib, PruneConfig(ratio=0.5), progress=False, registry=default_registry())
     save_pruned(loaded.model, tmp_path / "pruned", tokenizer=loaded.tokenizer)
     pruned, dense = load_pruned(tmp_path / "pruned"), load_model(str(STORIES_MHA))
     prompts = ["Once upon a time", "Lily saw a"]

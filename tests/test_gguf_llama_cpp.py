@@ -18,6 +18,7 @@ from rcpu_bench.evaluation.speed_llama_cpp import greedy_token, llama_cpp_speed,
 from rcpu_bench.export.gguf import export_gguf
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.model.persistence import load_saved, save_pruned
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 
 pytest.importorskip("llama_cpp")
@@ -101,7 +102,7 @@ def pruned_stories(kind: str):
               PruneConfig(ratio=0.3, scorer="flap-wifv", compensator="flap-bias", structure="al-am",
                           statistics="one-shot"))
     model = copy.deepcopy(loaded.model)
-    prune_model(model, calib, config, progress=False)
+    prune_model(model, calib, config, progress=False, registry=default_registry())
     return type(loaded)(model, loaded.tokenizer, loaded.provenance)
 
 

@@ -18,6 +18,7 @@ from rcpu_bench.cli import main
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_model, parameter_count
 from rcpu_bench.model.persistence import CARD, MANIFEST, load_pruned, save_pruned
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 
 TASKS_DIR = str(__import__("rcpu_bench.evaluation.tasks", fromlist=["_"]).__path__[0])
@@ -33,7 +34,7 @@ def pruned_stories(path, config: PruneConfig):
     """A stories model pruned by ``config`` on 8 × 32 calibration tokens, with its tokenizer."""
     loaded = load_model(str(path))
     ids = torch.randint(3, loaded.model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
-    prune_model(loaded.model, ids, config, progress=False)
+    prune_model(loaded.model, ids, config, progress=False, registry=default_registry())
     return loaded.model, loaded.tokenizer
 
 

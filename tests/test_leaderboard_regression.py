@@ -14,7 +14,7 @@ import pytest
 from rcpu_bench.matrix.executors import ModelCache, run_cell
 from rcpu_bench.matrix.spec import expand, load_matrix
 from rcpu_bench.matrix.store import Store
-from rcpu_bench.registry import default_registry
+from rcpu_bench.plugins import default_registry
 
 LEADERBOARD = Path(__file__).resolve().parent.parent / "results" / "leaderboard"
 CHECKED = {("variance", "none"), ("variance", "flap-bias"), ("variance", "ridge"), ("variance", "procrustes"),

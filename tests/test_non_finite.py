@@ -15,6 +15,7 @@ from rcpu_bench.evaluation.perplexity import sequence_nll
 from rcpu_bench.finite import NonFiniteError, count_non_finite, finite_logits
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.model.persistence import load_pruned, save_pruned
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.records import append_record
 
@@ -42,7 +43,7 @@ def test_pruning_a_non_finite_model_names_layer_and_module(name, value, message,
     ids = torch.full((4, 16), 4)
     config = PruneConfig(ratio=0.3, structure=structure)
     with pytest.raises(NonFiniteError, match=message):
-        prune_model(model, ids, config, progress=False)
+        prune_model(model, ids, config, progress=False, registry=default_registry())
 
 
 @pytest.mark.parametrize(("name", "value", "message"), [
@@ -107,7 +108,8 @@ def test_records_are_strict_json(tmp_path, record, field):
 def test_a_finite_model_passes_every_check():
     model = tiny_model(tiny_config())
     dense = copy.deepcopy(model)
-    prune_model(model, tokens(61, batch=4, length=16), PruneConfig(ratio=0.3), progress=False)
+    prune_model(model, tokens(61, batch=4, length=16), PruneConfig(ratio=0.3), progress=False,
+                registry=default_registry())
     nll, n = sequence_nll(dense, list(tokens(61, batch=3, length=12)), batch_size=2)
     assert math.isfinite(nll) and n == 3 * 11
 

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from rcpu_bench.model.views import UnitMap
 from rcpu_bench.selection.obs import damped_inverse, greedy_order, obs, remove_columns, unit_errors
+from rcpu_bench.selection.select import UnitMap
 from rcpu_bench.statistics.activations import ActivationStats
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from rcpu_bench.cli import build_parser
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.options import MODULES, OPTIONS, PruneConfig
-from rcpu_bench.registry import default_registry
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -12,7 +12,8 @@ from tiny_models import STORIES, apply_plan, logits, needs_stories, random_plan,
 
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_model, parameter_count
-from rcpu_bench.model.persistence import MANIFEST, load_pruned, read_manifest, save_pruned
+from rcpu_bench.model.persistence import MANIFEST, load_pruned, load_saved, read_manifest, save_pruned
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.records import library_versions
 
 REMOTE_CODE_FILES = ["README.md", "config.json", "configuration_rcpu_pruned.py", "model.safetensors",
@@ -305,3 +306,11 @@ def test_a_killed_save_leaves_staging_that_the_next_save_removes(tmp_path):
     save_pruned(pruned_tiny(), tmp_path / "m")
     assert leftovers(tmp_path, "m") == [live.name]
     assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_a_model_method_save_is_loaded_through_the_registry_given(tmp_path):
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": "rcpu-slice", "model_method": "slice"}))
+    with pytest.raises(ValueError, match="model method 'slice': pass the registry"):
+        load_saved(tmp_path)
+    with pytest.raises(ValueError, match="slice"):  # the built-ins hold no such method: the lookup names it
+        load_saved(tmp_path, registry=default_registry())

@@ -12,8 +12,8 @@ from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import parameter_count
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
-from rcpu_bench.registry import default_registry
 
 # The built-in methods (installed plugins have tests of their own).
 SCORERS = [m.name for m in builtin_registry().methods("scorer")]
@@ -83,7 +83,7 @@ def test_first_layer_matches_a_materialised_reference(stories, kind):
     want_o, pruned_o = reference_procrustes(dense.model.layers[0].self_attn.o_proj.weight, x["o_proj"], group, 0.25)
     want_d, pruned_d = reference_procrustes(dense.model.layers[0].mlp.down_proj.weight, x["down_proj"], 1, 0.25)
     model = copy.deepcopy(dense)
-    report = prune_model(model, ids, PruneConfig(ratio=0.25), progress=False)
+    report = prune_model(model, ids, PruneConfig(ratio=0.25), progress=False, registry=default_registry())
     assert report.layers[0]["attention"]["pruned_units"] == pruned_o.tolist()
     assert report.layers[0]["mlp"]["pruned_units"] == pruned_d.tolist()
     for got, want in ((model.model.layers[0].self_attn.o_proj.weight, want_o),
@@ -98,7 +98,7 @@ def test_second_layer_sees_pruned_or_dense_inputs(stories, statistics):
     dense = stories["mha"]
     ids = calib(dense.config.vocab_size)
     model = copy.deepcopy(dense)
-    prune_model(model, ids, PruneConfig(ratio=0.25, statistics=statistics), progress=False)
+    prune_model(model, ids, PruneConfig(ratio=0.25, statistics=statistics), progress=False, registry=default_registry())
     upstream = copy.deepcopy(dense)
     if statistics == "sequential":
         upstream.model.layers[0] = model.model.layers[0]
@@ -113,7 +113,8 @@ def test_ratio_zero_leaves_logits_unchanged(compensator):
     ids = calib(dense.config.vocab_size)
     model = copy.deepcopy(dense)
     prune_model(model, ids, PruneConfig(ratio=0.0, compensator=compensator, compensator_params=
-                                        {"lam": 1e-9} if compensator == "ridge" else {}), progress=False)
+                                        {"lam": 1e-9} if compensator == "ridge" else {}), progress=False,
+                                            registry=default_registry())
     probe = tokens(dense.config.vocab_size, seed=5)
     torch.testing.assert_close(logits(model, probe), logits(dense, probe), atol=2e-5, rtol=1e-5)
     assert parameter_count(model) >= parameter_count(dense)  # flap-bias adds biases
@@ -134,7 +135,8 @@ def test_every_scorer_and_compensator_prunes_a_working_model(stories, kind, scor
     dense = stories[kind]
     ids = calib(dense.config.vocab_size, n=4)
     model = copy.deepcopy(dense)
-    report = prune_model(model, ids, PruneConfig(scorer=scorer, compensator=compensator, ratio=0.3), progress=False)
+    report = prune_model(model, ids, PruneConfig(scorer=scorer, compensator=compensator, ratio=0.3), progress=False,
+                         registry=default_registry())
     bias = 5 * 2 * dense.config.hidden_size if compensator == "flap-bias" else 0
     assert parameter_count(dense) - parameter_count(model) + bias == expected_parameters(dense.config, report)
     assert all(layer["attention"]["units_pruned"] == int(0.3 * (4 if kind == "gqa" else 8)) for layer in report.layers)
@@ -154,7 +156,8 @@ def test_every_scorer_and_compensator_prunes_a_working_model(stories, kind, scor
 @needs_stories
 def test_query_rule_keeps_every_kv_head(stories):
     model = copy.deepcopy(stories["gqa"])
-    prune_model(model, calib(512, n=4), PruneConfig(ratio=0.5, gqa_rule="query"), progress=False)
+    prune_model(model, calib(512, n=4), PruneConfig(ratio=0.5, gqa_rule="query"), progress=False,
+                registry=default_registry())
     assert {(g.n_heads, g.n_kv_heads) for g in layer_geometries(model)} == {(4, 4)}
     assert torch.isfinite(logits(model, tokens(512, seed=3))).all()
 
@@ -165,7 +168,8 @@ def test_query_rule_on_mha_prunes_each_head_with_its_kv_head(stories):
     query head takes its kv head along (before the adapter this raised "cannot be shared equally")."""
     models = {rule: copy.deepcopy(stories["mha"]) for rule in ("query", "group")}
     for rule, model in models.items():
-        prune_model(model, calib(512, n=4), PruneConfig(ratio=0.5, gqa_rule=rule), progress=False)
+        prune_model(model, calib(512, n=4), PruneConfig(ratio=0.5, gqa_rule=rule), progress=False,
+                    registry=default_registry())
     assert {(g.n_heads, g.n_kv_heads) for g in layer_geometries(models["query"])} == {(4, 4)}
     group = models["group"].state_dict()
     assert all(torch.equal(tensor, group[name]) for name, tensor in models["query"].state_dict().items())
@@ -176,11 +180,13 @@ def test_modules_to_prune_and_compensate(stories):
     """The paper's ablation switches: prune attention only; compensate only the MLP."""
     dense = stories["mha"]
     model = copy.deepcopy(dense)
-    report = prune_model(model, calib(512, n=4), PruneConfig(ratio=0.25, prune=("attention",)), progress=False)
+    report = prune_model(model, calib(512, n=4), PruneConfig(ratio=0.25, prune=("attention",)), progress=False,
+                         registry=default_registry())
     assert "mlp" not in report.layers[0]
     assert {g.intermediate for g in layer_geometries(model)} == {172}
     model = copy.deepcopy(dense)
-    report = prune_model(model, calib(512, n=4), PruneConfig(ratio=0.25, compensate=("mlp",)), progress=False)
+    report = prune_model(model, calib(512, n=4), PruneConfig(ratio=0.25, compensate=("mlp",)), progress=False,
+                         registry=default_registry())
     assert report.layers[0]["attention"]["compensator"] == "none"
     assert report.layers[0]["mlp"]["compensator"] == "procrustes"
 
@@ -190,7 +196,8 @@ def test_recollecting_mlp_statistics_uses_the_pruned_attention(stories):
     dense = stories["mha"]
     ids = calib(512)
     model = copy.deepcopy(dense)
-    prune_model(model, ids, PruneConfig(ratio=0.25, recollect_mlp=True, prune=("attention", "mlp")), progress=False)
+    prune_model(model, ids, PruneConfig(ratio=0.25, recollect_mlp=True, prune=("attention", "mlp")), progress=False,
+                registry=default_registry())
     upstream = copy.deepcopy(dense)
     upstream.model.layers[0].self_attn = model.model.layers[0].self_attn
     x = module_inputs(upstream, ids, 0)["down_proj"]
@@ -202,8 +209,8 @@ def test_offloading_gives_the_same_model():
     dense = tiny_model(tiny_config())
     ids = calib(dense.config.vocab_size)
     plain, offloaded = copy.deepcopy(dense), copy.deepcopy(dense)
-    prune_model(plain, ids, PruneConfig(ratio=0.4), progress=False)
-    prune_model(offloaded, ids, PruneConfig(ratio=0.4, offload=True), progress=False)
+    prune_model(plain, ids, PruneConfig(ratio=0.4), progress=False, registry=default_registry())
+    prune_model(offloaded, ids, PruneConfig(ratio=0.4, offload=True), progress=False, registry=default_registry())
     probe = tokens(dense.config.vocab_size, seed=9)
     torch.testing.assert_close(logits(offloaded, probe), logits(plain, probe))
 
@@ -212,8 +219,8 @@ def test_batch_size_does_not_change_the_result():
     dense = tiny_model(tiny_config())
     ids = calib(dense.config.vocab_size)
     a, b = copy.deepcopy(dense), copy.deepcopy(dense)
-    prune_model(a, ids, PruneConfig(ratio=0.4, batch_size=1), progress=False)
-    prune_model(b, ids, PruneConfig(ratio=0.4, batch_size=8), progress=False)
+    prune_model(a, ids, PruneConfig(ratio=0.4, batch_size=1), progress=False, registry=default_registry())
+    prune_model(b, ids, PruneConfig(ratio=0.4, batch_size=8), progress=False, registry=default_registry())
     probe = tokens(dense.config.vocab_size, seed=9)
     # The batches' float32 rounding differs; the mixed products (W G[:,K], M) carry it through this tiny,
     # ill-conditioned model to 1.6e-5 (1.0e-5 with float64 products).
@@ -227,7 +234,7 @@ def test_flap_baseline_global_structure_meets_the_parameter_budget(stories):
     model = copy.deepcopy(dense)
     config = PruneConfig(scorer="flap-wifv", compensator="flap-bias", structure="al-am", statistics="one-shot",
                          ratio=0.2)
-    report = prune_model(model, calib(512), config, progress=False)
+    report = prune_model(model, calib(512), config, progress=False, registry=default_registry())
     d, hd = 64, 8
     linear = lambda m: sum(g.n_heads * hd * d * 4 + g.intermediate * d * 3 for g in layer_geometries(m))  # noqa: E731
     removed = 1 - linear(model) / linear(dense)
@@ -245,13 +252,13 @@ def test_bad_configuration_errors_before_work():
            (PruneConfig(prune=("attn",)), "unknown module")]
     for config, message in bad:
         with pytest.raises((ValueError, KeyError), match=message):
-            prune_model(model, calib(61), config, progress=False)
+            prune_model(model, calib(61), config, progress=False, registry=default_registry())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_report_has_timings_per_layer():
     model = tiny_model(tiny_config())
-    report = prune_model(model, calib(61), PruneConfig(ratio=0.4), progress=False)
+    report = prune_model(model, calib(61), PruneConfig(ratio=0.4), progress=False, registry=default_registry())
     assert len(report.layers) == 3
     for layer in report.layers:
         assert set(layer["seconds"]) == {"statistics", "score", "solve", "forward"}

@@ -12,8 +12,9 @@ from tiny_models import logits, tiny_config, tiny_model, tokens
 from rcpu_bench import hookimpl
 from rcpu_bench import registry as registry_module
 from rcpu_bench.compensation.compensators import Compensation, Problem
+from rcpu_bench.plugins import default_registry, plugin_manager
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
-from rcpu_bench.registry import PluginContractError, Registry, build_registry, make_method, plugin_manager
+from rcpu_bench.registry import PluginContractError, Registry, build_registry, make_method
 from rcpu_bench.statistics.activations import ActivationStats
 
 
@@ -237,6 +238,7 @@ def test_names_are_looked_up_a_fixed_number_of_times_whatever_the_depth(monkeypa
         lookups.clear()
         model = tiny_model(tiny_config(layers=layers, n_kv_heads=6))
         config = PruneConfig(ratio=0.3, structure=structure, compensator="ridge" if structure == "uniform" else "none")
-        prune_model(model, tokens(model.config.vocab_size, batch=2, length=8), config, progress=False)
+        prune_model(model, tokens(model.config.vocab_size, batch=2, length=8), config, progress=False,
+                    registry=default_registry())
         counts[layers] = len(lookups)
     assert counts[1] == counts[4]

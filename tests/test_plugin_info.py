@@ -11,8 +11,9 @@ from tiny_models import tiny_config, tiny_model, tokens
 
 from rcpu_bench import hookimpl
 from rcpu_bench.compensation.compensators import Problem
+from rcpu_bench.plugins import plugin_manager
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
-from rcpu_bench.registry import PluginContractError, build_registry, make_method, plugin_manager
+from rcpu_bench.registry import PluginContractError, build_registry, make_method
 from rcpu_bench.statistics.activations import ActivationStats
 
 

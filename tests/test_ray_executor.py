@@ -35,7 +35,7 @@ from rcpu_bench.matrix.spec import expand
 from rcpu_bench.matrix.store import RECORDS, Store
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.paths import DATA_ENV, SHARED_ENV, shared_dir
-from rcpu_bench.registry import default_registry
+from rcpu_bench.plugins import default_registry
 
 ray = pytest.importorskip("ray")
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from tiny_models import logits, tiny_config, tiny_model, tokens
 
+from rcpu_bench.plugins import plugin_manager
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
-from rcpu_bench.registry import build_registry, plugin_manager
+from rcpu_bench.registry import build_registry
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

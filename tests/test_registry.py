@@ -10,7 +10,8 @@ from rcpu_bench.cli import main
 from rcpu_bench.compensation import compensators
 from rcpu_bench.compensation.compensators import Compensation
 from rcpu_bench.hookspecs import hookimpl
-from rcpu_bench.registry import PluginContractError, build_registry, default_registry, make_method, plugin_manager
+from rcpu_bench.plugins import default_registry, plugin_manager
+from rcpu_bench.registry import PluginContractError, build_registry, make_method
 from rcpu_bench.selection import scorers
 from rcpu_bench.statistics.activations import ActivationStats
 

@@ -13,9 +13,9 @@ from tiny_models import needs_stories, tiny_config, tiny_model, tokens
 from rcpu_bench.matrix.executors import LocalExecutor
 from rcpu_bench.matrix.reuse import LayerInputCache, capture_key
 from rcpu_bench.matrix.spec import expand
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import pipeline
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
-from rcpu_bench.registry import default_registry
 
 METHODS = [("wanda-sp", "none", {}), ("variance", "procrustes", {}), ("variance", "ridge", {"lam": 1.0}),
            ("wanda-sp", "scaled-procrustes", {})]
@@ -47,8 +47,9 @@ def test_compensated_weights_are_bit_identical_with_reused_layer_inputs(monkeypa
         config = PruneConfig(scorer=scorer, compensator=compensator, compensator_params=params, ratio=0.4,
                              batch_size=4)
         fresh, reused = copy.deepcopy(dense), copy.deepcopy(dense)
-        fresh_report = prune_model(fresh, calib, config, progress=False)
-        reused_report = prune_model(reused, calib, config, progress=False, reuse_capture=cache.reuse(("tiny",)))
+        fresh_report = prune_model(fresh, calib, config, progress=False, registry=default_registry())
+        reused_report = prune_model(reused, calib, config, progress=False, reuse_capture=cache.reuse(("tiny",)),
+                                    registry=default_registry())
         assert _without_seconds(fresh_report.layers) == _without_seconds(reused_report.layers)
         for (name, a), (_, b) in zip(fresh.state_dict().items(), reused.state_dict().items(), strict=True):
             assert torch.equal(a, b), name

@@ -16,9 +16,10 @@ from tiny_models import tiny_config, tiny_model, tokens
 
 from rcpu_bench.compensation import compensators as C
 from rcpu_bench.compensation import rotation as R
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.methods import RECIPES, label_of
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
-from rcpu_bench.registry import PluginContractError, default_registry
+from rcpu_bench.registry import PluginContractError
 from rcpu_bench.statistics.activations import ActivationStats
 
 F64, F32 = torch.float64, torch.float32
@@ -306,7 +307,8 @@ def test_official_alias_prunes_a_model_and_records_the_unchecked_error():
     model = tiny_model(tiny_config())
     config = PruneConfig(ratio=0.5, **RECIPES["rcpu-official"].prune)
     config.validate(default_registry())
-    report = prune_model(model, tokens(model.config.vocab_size, batch=4, length=16), config, progress=False)
+    report = prune_model(model, tokens(model.config.vocab_size, batch=4, length=16), config, progress=False,
+                         registry=default_registry())
     modules = [m["info"] for layer in report.layers for m in layer.values() if isinstance(m, dict)
                and "solver" in m.get("info", {})]
     assert modules and all(m["solver"] == "official" and m["orthogonality_unchecked"] for m in modules)

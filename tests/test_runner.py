@@ -30,8 +30,9 @@ from rcpu_bench.matrix.runner import (
 )
 from rcpu_bench.matrix.spec import MatrixError, expand, load_matrix
 from rcpu_bench.matrix.store import Store, read_results
+from rcpu_bench.plugins import plugin_manager
 from rcpu_bench.records import Record
-from rcpu_bench.registry import build_registry, plugin_manager
+from rcpu_bench.registry import build_registry
 
 REGISTRY = builtin_registry()
 TIMEOUT_S = 120

@@ -23,6 +23,7 @@ from torch import nn
 
 import rcpu_bench.statistics.activations as stats_module
 from rcpu_bench.compensation import compensators as C
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.statistics.activations import ActivationStats, collect_input_stats
 from rcpu_bench.statistics.flops import cheapest_statistics, expected_kept, statistics_flops
@@ -164,7 +165,8 @@ def test_pipeline_collects_the_minimum_and_matches_the_float64_path():
     for precision in ("mixed", "float64"):
         models[precision] = copy.deepcopy(dense)
         reports[precision] = prune_model(models[precision], ids, PruneConfig(
-            compensator="procrustes", ratio=0.25, gram_precision=precision), progress=False)
+            compensator="procrustes", ratio=0.25, gram_precision=precision), progress=False,
+                registry=default_registry())
     for layer in reports["mixed"].layers:
         attention_in = config.num_attention_heads * config.head_dim
         for module, (d_out, d_in) in {"attention": (24, attention_in), "mlp": (24, 96)}.items():

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import rcpu_bench.statistics.activations as stats_module
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig
-from rcpu_bench.registry import default_registry
 from rcpu_bench.statistics.activations import ActivationStats, collect_input_stats
 
 F64 = torch.float64

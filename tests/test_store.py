@@ -23,8 +23,8 @@ from rcpu_bench.matrix.store import (
     newest_entries,
     read_results,
 )
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.records import Record
-from rcpu_bench.registry import default_registry
 
 ENTRY_KEYS = {"cell_id", "status", "error", "cell", "record", "finished_at", "seconds"}
 CELL_KEYS = {"matrix", "model", "model_label", "method", "method_label", "ratio", "n_calib", "seqlen", "calib", "lam",

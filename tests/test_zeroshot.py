@@ -24,6 +24,7 @@ from rcpu_bench.evaluation.zeroshot import METRIC_MAPS, TASKS, builtin_yaml, eva
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.model.persistence import save_pruned
 from rcpu_bench.paths import data_dir
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.records import read_records
 
@@ -371,7 +372,7 @@ def test_eval_command_on_a_save_pruned_directory(tmp_path, capsys):
     loaded = load_model(str(STORIES))
     calib = torch.randint(3, loaded.model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
     config = PruneConfig(ratio=0.25)
-    prune_model(loaded.model, calib, config, progress=False)
+    prune_model(loaded.model, calib, config, progress=False, registry=default_registry())
     save_pruned(loaded.model, tmp_path / "pruned", tokenizer=loaded.tokenizer, method=config.to_dict(),
                 provenance=loaded.provenance)
     out = tmp_path / "runs.jsonl"

@@ -15,6 +15,7 @@ from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS
 from rcpu_bench.evaluation.zeroshot import SOURCES, TASK_FIELDS, check_output_path, plan_zeroshot, run_zeroshot
 from rcpu_bench.model.loading import add_model_options, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.records import append_record, library_versions
 
 
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
                          source=args.source, metric_map=args.metric_map, num_fewshot=args.num_fewshot,
                          include_path=args.include_path)
     loaded = load_saved_or_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device,
+        registry=default_registry(),
                                  trust_remote_code=args.trust_remote_code)
     result = run_zeroshot(loaded.model, loaded.tokenizer, plan, log_samples=args.log_samples,
                           output_path=args.output_path, model_name=args.model)

@@ -11,6 +11,7 @@ from rcpu_bench import console
 from rcpu_bench.commands import command
 from rcpu_bench.export.gguf import DTYPES, check_dtype, export_gguf, require_gguf
 from rcpu_bench.model.persistence import check_model_argument, load_saved_or_model
+from rcpu_bench.plugins import default_registry
 
 FORMATS = ("gguf",)
 
@@ -45,7 +46,7 @@ def check_export(name: str, out: str, outtype: str, *, overwrite: bool = False, 
 
 def export_model(name: str, out: str, outtype: str, *, overwrite: bool = False) -> dict[str, Any]:
     """Load ``name`` (a saved pruned directory or a model) in float32 on the CPU and write it to the GGUF ``out``."""
-    loaded = load_saved_or_model(name, revision=None, dtype="float32", device="cpu")
+    loaded = load_saved_or_model(name, revision=None, dtype="float32", device="cpu", registry=default_registry())
     return export_gguf(loaded.model, loaded.tokenizer, out, dtype=outtype, name=Path(name).name, overwrite=overwrite)
 
 

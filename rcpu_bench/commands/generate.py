@@ -12,6 +12,7 @@ from rcpu_bench.evaluation.generation import SAMPLE_PROMPT, check_length, greedy
 from rcpu_bench.model.loading import add_model_options
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import default_model
+from rcpu_bench.plugins import default_registry
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     check_models(names, args)
     models = [load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device,
+        registry=default_registry(),
                                   trust_remote_code=args.trust_remote_code) for name in names]
     for loaded in models:  # every prompt fits every model's context, before the first is generated
         for prompt in args.prompt or [SAMPLE_PROMPT]:

@@ -7,7 +7,8 @@ import argparse
 from tabulate import tabulate
 
 from rcpu_bench.commands import command
-from rcpu_bench.registry import KINDS, default_registry
+from rcpu_bench.plugins import default_registry
+from rcpu_bench.registry import KINDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from rcpu_bench.matrix.phases import plan_phases
 from rcpu_bench.matrix.runner import run_matrix
 from rcpu_bench.matrix.spec import Cell, expand, load_matrix, shipped_matrices
 from rcpu_bench.matrix.store import matrix_results_dir, read_results
-from rcpu_bench.registry import default_registry
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.tables import plots
 from rcpu_bench.tables.render import render
 from rcpu_bench.tables.results import default_profile

@@ -19,6 +19,7 @@ from rcpu_bench.export.gguf import DTYPES, check_dtype, export_gguf
 from rcpu_bench.model.loading import LoadedModel, add_model_options, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import default_model
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.options import positive_int
 
 ENGINES = ("transformers", "llama.cpp")
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for name in names:
         loaded = load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device,
+            registry=default_registry(),
                                      trust_remote_code=args.trust_remote_code)
         for engine in args.engine:
             speed = (llama_cpp_speed_of(loaded, args) if engine == "llama.cpp" else

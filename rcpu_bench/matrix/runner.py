@@ -48,9 +48,10 @@ from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_config, model_skeleton
 from rcpu_bench.model.views import LayerGeometry
 from rcpu_bench.paths import check_output_dir
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.pipeline import PruneConfig
-from rcpu_bench.registry import Registry, default_registry
+from rcpu_bench.registry import Registry
 
 log = logging.getLogger(__name__)
 

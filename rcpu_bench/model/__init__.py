@@ -28,7 +28,8 @@ from rcpu_bench.model.persistence import (
     save_pruned,
     write_atomically,
 )
-from rcpu_bench.model.views import MODULES, LayerGeometry, LayerView, ModelView, UnitMap
+from rcpu_bench.model.views import MODULES, LayerGeometry, LayerView, ModelView
+from rcpu_bench.selection.select import UnitMap
 
 __all__ = ["MANIFEST", "MODULES", "LayerGeometry", "LayerInput", "LayerView", "LoadedModel", "ModelView", "UnitMap",
            "capture_layer_inputs", "check_architecture", "decoder_layers", "dtype_argument", "file_sha256",

@@ -504,16 +504,18 @@ def recompute_rotary(model: nn.Module) -> None:
 
 def load_saved(directory: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
                registry: Any = None, trust_remote_code: bool = False) -> LoadedModel:
-    """Load a directory written by ``save_pruned`` or by a whole-model method's saver (named in its manifest)."""
+    """Load a directory written by ``save_pruned``, or by a whole-model method's saver (named in its manifest), with
+    the loader that ``registry`` (``rcpu_bench.default_registry()``, say) holds for that method."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {directory} is not a saved pruned model")
     manifest = json.loads(path.read_text())
     if manifest.get("format") == FORMAT or "model_method" not in manifest:
         return load_pruned(directory, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    from rcpu_bench.registry import default_registry  # the registry imports the plugins, which import this module
-
-    method = (registry or default_registry()).get("model-method", manifest["model_method"])
+    if registry is None:
+        raise ValueError(f"{directory} was saved by the model method {manifest['model_method']!r}: pass the registry "
+                         "that holds it (registry=rcpu_bench.default_registry())")
+    method = registry.get("model-method", manifest["model_method"])
     if method.load is None:
         raise ValueError(f"the model method {method.name!r} ({method.provider}) registered no load function")
     return method.load(directory, dtype=dtype, device=device)
@@ -538,11 +540,12 @@ def check_model_argument(name: str, revision: str | None, trust_remote_code: boo
         raise ValueError(f"{directory} has no tokenizer (save_pruned was called without one)")
 
 
-def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str,
+def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str, registry: Any,
                         trust_remote_code: bool = False) -> LoadedModel:
     """``load_saved`` for a directory written by save_pruned (or a model method), else ``load_model``; code shipped
     with the model runs only with ``trust_remote_code``."""
     directory = pruned_directory(name)
     if directory is not None:
-        return load_saved(directory, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        return load_saved(directory, dtype=dtype, device=device, registry=registry,
+                          trust_remote_code=trust_remote_code)
     return load_model(name, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from rcpu_bench.model.surgery import heads_of_columns
-from rcpu_bench.selection.select import Selection
+from rcpu_bench.selection.select import Selection, UnitMap
 
 MODULES = ("attention", "mlp")  # the prunable modules of a decoder layer: heads (o_proj) and channels (down_proj)
 GQA_RULES = ("group", "query")
@@ -41,18 +41,6 @@ class LayerGeometry:
     def queries_per_group(self) -> int:
         """Query heads served by one key/value head: n_heads / n_kv_heads (1 for multi-head attention)."""
         return self.n_heads // self.n_kv_heads
-
-
-@dataclass(frozen=True)
-class UnitMap:
-    """How one module's prunable units map to its consumer's input columns.
-
-    Unit u covers columns [u·unit_size, (u+1)·unit_size). ``group_size`` > 1: units are selected within
-    contiguous groups of that many (query heads per key/value group under the "query" GQA rule).
-    """
-
-    unit_size: int
-    group_size: int = 1
 
 
 class LayerView(ABC):

@@ -19,9 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from rcpu_bench.model.adapter import layer_view
-from rcpu_bench.model.views import UnitMap
 from rcpu_bench.selection.scorers import unit_scores
-from rcpu_bench.selection.select import Rounding, Selection, n_pruned
+from rcpu_bench.selection.select import Rounding, Selection, UnitMap, n_pruned
 
 __all__ = ["AL_AM", "AL_AM_SCORER", "UNIFORM", "Unit", "al_am", "layer_units", "log_increase", "uniform",
            "units_to_prune"]

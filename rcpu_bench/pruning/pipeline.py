@@ -29,12 +29,19 @@ from rcpu_bench.compensation.diagnostics import module_generalisation
 from rcpu_bench.finite import check_parameters, check_tensor
 from rcpu_bench.model.adapter import check_prunable, decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
-from rcpu_bench.model.views import LayerView, UnitMap
+from rcpu_bench.model.views import LayerView
 from rcpu_bench.pruning.allocation import AL_AM, AL_AM_SCORER, Unit, al_am, layer_units, units_to_prune
 from rcpu_bench.pruning.options import MODULES, PruneConfig
-from rcpu_bench.registry import Registry, Resolved, default_registry
+from rcpu_bench.registry import Registry, Resolved
 from rcpu_bench.selection.scorers import unit_scores
-from rcpu_bench.selection.select import Selection, kept_multiple, round_kept, select_lowest, select_within_groups
+from rcpu_bench.selection.select import (
+    Selection,
+    UnitMap,
+    kept_multiple,
+    round_kept,
+    select_lowest,
+    select_within_groups,
+)
 from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
 from rcpu_bench.statistics.flops import cheapest_statistics, expected_kept
 
@@ -207,7 +214,7 @@ def _peak_memory(device: torch.device) -> int:
 
 
 @torch.no_grad()
-def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, registry: Registry | None = None,
+def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, registry: Registry,
                 device: torch.device | str | None = None, progress: bool = True,
                 holdout_ids: Tensor | None = None,
                 reuse_capture: Callable[[Callable[[], list[LayerInput]]], list[LayerInput]] | None = None,
@@ -221,7 +228,6 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     ``validated=True``: the caller has already run ``config.validate(registry)`` (``run_experiment`` does, through
     ``Experiment.validate``), so it is not run again.
     """
-    registry = registry or default_registry()
     if not validated:
         config.validate(registry)
     methods = registry.resolve(scorer=config.scorer, compensator=config.compensator, model_method=config.model_method,

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rcpu_bench.model.views import UnitMap
-from rcpu_bench.selection.select import Selection
+from rcpu_bench.selection.select import Selection, UnitMap
 from rcpu_bench.statistics.activations import ActivationStats
 
 

@@ -14,6 +14,18 @@ Rounding = Literal["floor", "ceil"]
 
 
 @dataclass(frozen=True)
+class UnitMap:
+    """How one module's prunable units map to its consumer's input columns.
+
+    Unit u covers columns [u·unit_size, (u+1)·unit_size). ``group_size`` > 1: units are selected within
+    contiguous groups of that many (query heads per key/value group under the "query" GQA rule).
+    """
+
+    unit_size: int
+    group_size: int = 1
+
+
+@dataclass(frozen=True)
 class Selection:
     """Sorted index sets of kept (K) and pruned (D) units."""
 

@@ -9,7 +9,8 @@ from rcpu_bench.compensation.compensators import flap_bias, procrustes
 from rcpu_bench.matrix.runner import run_matrix
 from rcpu_bench.matrix.spec import parse_matrix
 from rcpu_bench.matrix.store import read_results
-from rcpu_bench.registry import build_registry, default_registry, plugin_manager
+from rcpu_bench.plugins import default_registry, plugin_manager
+from rcpu_bench.registry import build_registry
 from rcpu_bench.statistics.activations import ActivationStats
 from rcpu_example import plugin
 from rcpu_example.plugin import output_energy, procrustes_bias

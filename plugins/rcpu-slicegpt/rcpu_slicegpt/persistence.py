@@ -7,7 +7,8 @@ A sliced model is saved as a directory with
 - ``slicegpt_config.json``: the residual widths of every layer (``SlicePlan``), the parameter count
   and the slicing report;
 - ``rcpu_manifest.json``: ``{"format": "rcpu-slicegpt", "model_method": "slicegpt"}``, which lets
-  ``rcpu_bench.model.persistence.load_saved`` (and ``rcpu-bench eval``) find this plugin's loader;
+  ``rcpu_bench.model.load_saved`` (given ``rcpu_bench.default_registry()``, as ``rcpu-bench eval`` does) find this
+  plugin's loader;
 - the tokenizer files, when a tokenizer is given.
 
 ``load_sliced`` builds the dense model from ``config.json`` without weights (meta device), gives it the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rcpu_bench import default_registry
 from rcpu_bench.evaluation.perplexity import perplexity
 from rcpu_bench.experiment import Experiment, run_experiment
 from rcpu_bench.model.persistence import load_saved
@@ -23,6 +24,6 @@ def test_experiment_slices_saves_and_reloads(tmp_path):
     assert record.parameters["after"] != record.parameters["before"]
     assert record.layers == []
     assert label_of(record.experiment["prune"]) == "SliceGPT"
-    loaded = load_saved(saved)
+    loaded = load_saved(saved, registry=default_registry())
     again = perplexity(loaded.model, loaded.tokenizer, "tinystories[900:930]")
     assert again["ppl"] == pytest.approx(record.perplexity[0]["ppl"], rel=1e-6)

@@ -7,7 +7,7 @@ from packaging.requirements import Requirement
 from slicegpt_helpers import copy_of
 
 from rcpu_bench.model.loading import parameter_count
-from rcpu_bench.registry import default_registry
+from rcpu_bench.plugins import default_registry
 from rcpu_slicegpt import reference
 
 
