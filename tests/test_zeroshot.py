@@ -8,6 +8,7 @@ import json
 import logging
 import socket
 from importlib import metadata
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -225,10 +226,13 @@ def test_hub_source_uses_the_builtin_configs_under_their_names(task):
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"tasks": ("boolq", "pica")}, ValueError, "unknown task 'pica'; close matches: "),
+    # these two index all of lm-eval's task YAMLs (~20-40 s; test_check_known_names_close_matches covers the rule)
+    pytest.param({"tasks": ("boolq", "pica")}, ValueError, "unknown task 'pica'; close matches: ",
+                 marks=pytest.mark.slow),
     ({"tasks": ()}, ValueError, "no task named in ''"),
-    ({"tasks": "lambada_openai"}, ValueError, "task 'lambada_openai' needs its dataset from the Hugging Face hub "
-                                              "(or another download), not available offline (HF_HUB_OFFLINE is set)"),
+    pytest.param({"tasks": "lambada_openai"}, ValueError, "task 'lambada_openai' needs its dataset from the Hugging "
+                 "Face hub (or another download), not available offline (HF_HUB_OFFLINE is set)",
+                 marks=pytest.mark.slow),
     ({"tasks": "mini_choice", "include_path": "/no/such/tasks"}, FileNotFoundError,
      "task include path(s) not found: /no/such/tasks"),
     ({"num_fewshot": -1}, ValueError, "num_fewshot must be an integer >= 0, got -1"),
@@ -338,6 +342,19 @@ def test_num_fewshot_and_nothing_written_without_an_output_path(stories, task_di
     assert list(tmp_path.iterdir()) == []
 
 
+def test_check_known_names_close_matches():
+    """The rule of ``check_known`` on a stand-in index (the real one takes seconds to build: the test below)."""
+    manager = SimpleNamespace(all_tasks=["piqa", "lambada_openai", "boolq"], task_index={"piqa": 0, "boolq": 0})
+    zeroshot.check_known(("boolq", "piqa"), manager)
+    with pytest.raises(ValueError) as raised:
+        zeroshot.check_known(("pica", "qqqzzz", "boolq"), manager)
+    message = str(raised.value)
+    assert "unknown task 'pica'; close matches: piqa" in message
+    assert "unknown task 'qqqzzz'; close matches: none" in message
+    assert "'boolq'" not in message
+
+
+@pytest.mark.slow
 def test_unknown_task_names_get_their_close_matches():
     with pytest.raises(ValueError) as raised:
         zeroshot.plan_zeroshot("pica,lambada_opnai,qqqzzz", source="local")
@@ -347,6 +364,23 @@ def test_unknown_task_names_get_their_close_matches():
     assert "unknown task 'qqqzzz'; close matches: none" in message
 
 
+def test_build_tasks_names_a_dataset_that_cannot_be_had(monkeypatch):
+    """The rule of ``build_tasks`` on a stand-in manager whose load fails as a download does (the test below builds
+    the real index)."""
+    def load(names):
+        raise ConnectionError(f"no route to {names[0]}")
+
+    manager = SimpleNamespace(load=load)
+    with pytest.raises(ValueError, match="task 'lambada_openai' needs its dataset from the Hugging Face hub .* "
+                                         r"\(HF_HUB_OFFLINE is set\): ConnectionError: no route to lambada_openai"):
+        zeroshot.build_tasks(("lambada_openai",), manager)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    with pytest.raises(ValueError, match="task 'lambada_openai' could not load its dataset .the download failed.: "):
+        zeroshot.build_tasks(("lambada_openai",), manager)
+
+
+@pytest.mark.slow
 def test_a_hub_task_offline_or_failing_is_named(monkeypatch):
     """Offline flags set: the message says so; unset (datasets still offline, as when a download fails): that."""
     with pytest.raises(ValueError, match="task 'lambada_openai' needs its dataset from the Hugging Face hub") as raised:
@@ -420,8 +454,10 @@ def test_eval_command_on_a_paper_task_and_our_own_with_lm_eval_outputs(tmp_path,
 
 @needs_stories
 @pytest.mark.parametrize("args, message", [
-    (["--tasks", "boolq,pica"], "unknown task 'pica'; close matches: "),
-    (["--tasks", "piqa,lambada_openai"], "task 'lambada_openai' needs its dataset from the Hugging Face hub"),
+    # these two index all of lm-eval's task YAMLs (~20-40 s); the other cases check the command's error path
+    pytest.param(["--tasks", "boolq,pica"], "unknown task 'pica'; close matches: ", marks=pytest.mark.slow),
+    pytest.param(["--tasks", "piqa,lambada_openai"],
+                 "task 'lambada_openai' needs its dataset from the Hugging Face hub", marks=pytest.mark.slow),
     (["--log-samples"], "--log-samples needs --output-path"),
     (["--num-fewshot", "-2"], "num_fewshot must be an integer >= 0, got -2"),
     (["--limit", "0"], "limit (examples per task) must be a positive integer"),
