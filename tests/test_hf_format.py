@@ -4,6 +4,7 @@ classes where rcpu_bench.model is imported, the source written beside the weight
 (Every family: test_family_save.py.)"""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -205,16 +206,23 @@ def plant_remote_code(directory, marker):
     (directory / "modeling_evil.py").write_text(EVIL_MODEL)
 
 
+@pytest.fixture(scope="module")
+def written_4_heads(tmp_path_factory):
+    """The gqa-uniform-4-heads model, pruned once, written by ``save_pruned`` (``saved-directory/``) and by
+    ``save_pretrained`` (``checkpoint/``); tests plant code in a copy."""
+    model, tokenizer = pruned_stories(STORIES, CASES["gqa-uniform-4-heads"][1])
+    root = tmp_path_factory.mktemp("gqa-uniform-4-heads")
+    save_pruned(model, root / "saved-directory", tokenizer=tokenizer)
+    model.save_pretrained(root / "checkpoint")
+    tokenizer.save_pretrained(root / "checkpoint")
+    return root
+
+
 @needs_stories
 @pytest.mark.parametrize("command", [["generate"], ["speed"], ["eval", "--tasks", "piqa"], ["prune"]])
 @pytest.mark.parametrize("saved", [True, False], ids=["saved-directory", "checkpoint"])
-def test_model_code_is_refused_without_the_flag_before_any_work(tmp_path, capsys, command, saved):
-    model, tokenizer = pruned_stories(STORIES, CASES["gqa-uniform-4-heads"][1])
-    if saved:
-        save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
-    else:
-        model.save_pretrained(tmp_path / "m")
-        tokenizer.save_pretrained(tmp_path / "m")
+def test_model_code_is_refused_without_the_flag_before_any_work(tmp_path, capsys, written_4_heads, command, saved):
+    shutil.copytree(written_4_heads / ("saved-directory" if saved else "checkpoint"), tmp_path / "m")
     plant_remote_code(tmp_path / "m", tmp_path / "marker")
     assert main([*command, "--model", str(tmp_path / "m")]) == 2
     error = capsys.readouterr().err.splitlines()[-1]  # one line (after any progress bars)
@@ -223,9 +231,8 @@ def test_model_code_is_refused_without_the_flag_before_any_work(tmp_path, capsys
 
 
 @needs_stories
-def test_code_in_a_saved_directory_runs_only_with_trust_remote_code(tmp_path, capsys):
-    model, tokenizer = pruned_stories(STORIES, CASES["gqa-uniform-4-heads"][1])
-    save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
+def test_code_in_a_saved_directory_runs_only_with_trust_remote_code(tmp_path, capsys, written_4_heads):
+    shutil.copytree(written_4_heads / "saved-directory", tmp_path / "m")
     marker = tmp_path / "marker"
     plant_remote_code(tmp_path / "m", marker)
     with pytest.raises(ValueError, match="ships Python code .* pass --trust-remote-code"):
