@@ -130,7 +130,8 @@ def test_llama_3_2_1b_shaped_model_pruned_with_round_to_matches(tmp_path, struct
     model = tiny_model(config, attn="sdpa")
     calib = torch.randint(3, 512, (4, 32), generator=torch.Generator().manual_seed(0))
     options = {"structure": "al-am", "scorer": "flap-wifv", "compensator": "flap-bias"} if structure == "al-am" else {}
-    prune_model(model, calib, PruneConfig(ratio=0.3, round_to=64, **options), progress=False)
+    prune_model(model, calib, PruneConfig(ratio=0.3, round_to=64, **options), progress=False,
+                registry=default_registry())
     assert all(layer.mlp.gate_proj.out_features % 64 == 0 for layer in model.model.layers)
     export_gguf(model, AutoTokenizer.from_pretrained(STORIES), tmp_path / "m.gguf", dtype="float32")
     assert_same_model(model, tmp_path / "m.gguf", AutoTokenizer.from_pretrained(STORIES)(PROMPT)["input_ids"])

@@ -289,6 +289,7 @@ def test_a_manifest_without_checksums_loads_with_a_warning(tmp_path, caplog):
     assert "has no recorded sha256" in caplog.text
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: seconds
 def test_a_killed_save_leaves_staging_that_the_next_save_removes(tmp_path):
     """A process killed mid-save (os._exit: no except, no finally) cannot clean up; the next save does."""
     import subprocess

@@ -273,7 +273,7 @@ def test_round_to_gives_kept_widths_in_whole_multiples(structure):
     model = tiny_model(tiny_config(intermediate=20, layers=3))
     scorer = {"structure": structure, "scorer": "flap-wifv", "compensator": "flap-bias"} if structure == "al-am" else {}
     report = prune_model(model, tokens(61, batch=4, length=16), PruneConfig(ratio=0.4, round_to=8, **scorer),
-                         progress=False)
+                         progress=False, registry=default_registry())
     for geometry, layer in zip(layer_geometries(model), report.layers, strict=True):
         assert geometry.n_heads * geometry.head_dim % 8 == 0 and geometry.n_kv_heads == 2
         assert geometry.intermediate in (8, 16)

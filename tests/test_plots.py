@@ -125,6 +125,7 @@ def results(tmp_path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow  # draws all nine figures (10-15 s); the figures' own tests draw one each
 def test_cli_writes_pngs_only_into_the_plots_directory(results, capsys):
     assert run_cli(["--results", str(results)]) == 0
     printed = capsys.readouterr().out.split()
