@@ -69,7 +69,7 @@ def test_log_increase_prunes_each_layer_at_its_own_ratio():
     model = tiny_model(config)
     report = prune_model(model, tokens(config.vocab_size, batch=4, length=12),
                          PruneConfig(ratio=0.3, allocation="log-increase", compensator="none"), progress=False,
-                             registry=default_registry())
+                         registry=default_registry())
     depth = [math.log(1 + layer) / math.log(4) for layer in range(4)]
     ratios = [0.3 + 0.3 / (sum(depth) / 4) * (d - sum(depth) / 4) for d in depth]
     assert units_pruned(report, "mlp") == [math.floor(r * 40 + 1e-9) for r in ratios]
@@ -85,7 +85,7 @@ def test_obs_under_al_am_prunes_flap_s_per_layer_counts():
     for scorer in ("flap-wifv", "obs"):
         report = prune_model(copy.deepcopy(dense), ids, PruneConfig(ratio=0.3, scorer=scorer, structure="al-am",
                                                                     compensator="none"), progress=False,
-                                                                        registry=default_registry())
+                                                                    registry=default_registry())
         counts[scorer] = (units_pruned(report, "attention"), units_pruned(report, "mlp"))
     assert counts["obs"] == counts["flap-wifv"]
 

@@ -115,7 +115,7 @@ def test_held_out_errors_match_materialised_activations_of_the_pruned_model(comp
     params = {"lam": 1e-2} if compensator == "ridge" else {}
     report = prune_model(model, calib, PruneConfig(ratio=0.25, compensator=compensator, compensator_params=params,
                                                    holdout=4), holdout_ids=held, progress=False,
-                                                       registry=default_registry())
+                                                   registry=default_registry())
     for layer in (0, 1):
         upstream = copy.deepcopy(dense)
         for index in range(layer):

@@ -114,7 +114,7 @@ def test_ratio_zero_leaves_logits_unchanged(compensator):
     model = copy.deepcopy(dense)
     prune_model(model, ids, PruneConfig(ratio=0.0, compensator=compensator, compensator_params=
                                         {"lam": 1e-9} if compensator == "ridge" else {}), progress=False,
-                                            registry=default_registry())
+                                        registry=default_registry())
     probe = tokens(dense.config.vocab_size, seed=5)
     torch.testing.assert_close(logits(model, probe), logits(dense, probe), atol=2e-5, rtol=1e-5)
     assert parameter_count(model) >= parameter_count(dense)  # flap-bias adds biases

@@ -166,7 +166,7 @@ def test_pipeline_collects_the_minimum_and_matches_the_float64_path():
         models[precision] = copy.deepcopy(dense)
         reports[precision] = prune_model(models[precision], ids, PruneConfig(
             compensator="procrustes", ratio=0.25, gram_precision=precision), progress=False,
-                registry=default_registry())
+            registry=default_registry())
     for layer in reports["mixed"].layers:
         attention_in = config.num_attention_heads * config.head_dim
         for module, (d_out, d_in) in {"attention": (24, attention_in), "mlp": (24, 96)}.items():
