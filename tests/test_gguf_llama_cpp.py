@@ -189,8 +189,8 @@ def test_a_matrix_cell_records_llama_cpp_speed_and_the_efficiency_table_shows_it
     (table,) = build_tables(read_results(tmp_path).results, spec("efficiency"), None)
     columns = {column.header: j for j, column in enumerate(table.columns)}
     (row,) = table.rows
-    assert row.cells[columns["llama.cpp prefill tok/s"]] == speed["prefill_tokens_per_s"]
-    assert row.cells[columns["llama.cpp decode tok/s"]] == speed["decode_tokens_per_s"]
+    assert row.cells[columns["llama.cpp (CPU) prefill tok/s"]] == speed["prefill_tokens_per_s"]
+    assert row.cells[columns["llama.cpp (CPU) decode tok/s"]] == speed["decode_tokens_per_s"]
 
 
 @needs_stories

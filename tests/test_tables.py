@@ -331,7 +331,8 @@ def test_llama_cpp_speed_columns_appear_only_in_the_tables_of_slots_that_measure
     untimed, other_model = entry("wanda-sp", 0.1, 14.0), entry("rcpu-rot", 0.1, 9.0, model="Llama-2-13B")
     with_llama_cpp, without = tables_of([timed, untimed, other_model], "efficiency")
     headers = [c.header for c in with_llama_cpp.columns]
-    assert headers[-2:] == ["llama.cpp prefill tok/s", "llama.cpp decode tok/s"] and "Llama-7B" in with_llama_cpp.title
+    assert headers[-2:] == ["llama.cpp (CPU) prefill tok/s", "llama.cpp (CPU) decode tok/s"]
+    assert "Llama-7B" in with_llama_cpp.title
     rows = {row.label: row.cells[-2:] for row in with_llama_cpp.rows}
     assert rows == {"RCPU (Rot.)": (2345.6, 123.4), "WANDA-sp": (None, None)}
     assert "llama.cpp" not in " ".join(c.header for c in without.columns) and "Llama-2-13B" in without.title

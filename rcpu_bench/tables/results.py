@@ -67,9 +67,9 @@ EFFICIENCY = (Metric("params", "Params", None, decimals=0, style="si"),
               Metric("prefill_tokens_per_s", "Prefill tok/s", "higher", decimals=0, style="grouped"),
               Metric("decode_tokens_per_s", "Decode tok/s", "higher", decimals=0, style="grouped"))
 # llama.cpp's speed of the model's GGUF export (a matrix's eval speed-llama-cpp): columns only where measured.
-LLAMA_CPP_SPEED = (Metric("llama_cpp_prefill_tokens_per_s", "llama.cpp prefill tok/s", "higher", decimals=0,
+LLAMA_CPP_SPEED = (Metric("llama_cpp_prefill_tokens_per_s", "llama.cpp (CPU) prefill tok/s", "higher", decimals=0,
                           style="grouped"),
-                   Metric("llama_cpp_decode_tokens_per_s", "llama.cpp decode tok/s", "higher", decimals=0,
+                   Metric("llama_cpp_decode_tokens_per_s", "llama.cpp (CPU) decode tok/s", "higher", decimals=0,
                           style="grouped"))
 METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASK_HEADERS.items()), MEAN, *EFFICIENCY,
                                  *LLAMA_CPP_SPEED)}
