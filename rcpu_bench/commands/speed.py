@@ -13,6 +13,7 @@ from rcpu_bench import console
 from rcpu_bench.commands import command
 from rcpu_bench.commands.shared import add_eval_batch_size_option, check_models
 from rcpu_bench.evaluation.speed import NEW_TOKENS, PROMPT_TOKENS, REPEATS, inference_speed
+from rcpu_bench.evaluation.speed_llama_cpp import GGUF_DTYPE
 from rcpu_bench.export.gguf import DTYPES, check_dtype
 from rcpu_bench.model.loading import LoadedModel, add_model_options, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
@@ -29,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", choices=ENGINES,
                    help="inference engine (repeatable; default transformers): llama.cpp times the model exported "
                    "to a temporary GGUF file, on the CPU, at batch 1")
-    p.add_argument("--gguf-outtype", default="float16", choices=DTYPES, help="type of the GGUF matrices llama.cpp "
+    p.add_argument("--gguf-outtype", default=GGUF_DTYPE, choices=DTYPES, help="type of the GGUF matrices llama.cpp "
                    "runs")
     p.add_argument("--threads", type=positive_int, help="llama.cpp threads (default: torch's intra-op threads, the "
                    "number transformers runs on)")
