@@ -49,6 +49,7 @@ from rcpu_bench.export.gguf import export_gguf
 from rcpu_bench.model.loading import parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import shared_dir
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.records import cpu_model, harness_commit, read_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,7 +135,8 @@ def speed_fields(speed: dict[str, Any]) -> dict[str, float]:
 
 def measure(directory: Path, setting: Setting, work: Path) -> dict[str, Any]:
     """Parameters, transformers speed, and per GGUF type llama.cpp speed and the logits check, of a saved model."""
-    loaded = load_saved_or_model(str(directory), revision=None, dtype="float32", device="cpu")
+    loaded = load_saved_or_model(str(directory), revision=None, dtype="float32", device="cpu",
+                                 registry=default_registry())
     counts = {"prompt_tokens": setting.prompt_tokens, "new_tokens": setting.new_tokens, "repeats": setting.repeats}
     row = {"parameters": parameter_count(loaded.model),
            "transformers": speed_fields(inference_speed(loaded.model, batch_size=1, **counts))}

@@ -80,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for name in names:
         loaded = load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device,
-            registry=default_registry(),
-                                     trust_remote_code=args.trust_remote_code)
+                                     registry=default_registry(), trust_remote_code=args.trust_remote_code)
         for engine in args.engine:
             speed = (llama_cpp_speed_of(loaded, args) if engine == "llama.cpp" else
                      inference_speed(loaded.model, batch_size=args.eval_batch_size, prompt_tokens=args.prompt_tokens,
