@@ -109,8 +109,13 @@ def random_llama(work: Path, setting: Setting) -> Path:
 
 
 def prune(model: Path, variant: Variant, setting: Setting, out: Path) -> dict[str, Any]:
-    """``rcpu-bench prune`` the model as ``variant`` says, saved to ``out``; its record."""
+    """``rcpu-bench prune`` the model as ``variant`` says, saved to ``out``; its record (a finished prune in ``--work``
+    is reused)."""
     records = out.parent / f"{out.name}.jsonl"
+    if records.exists() and (out / "config.json").exists():
+        (record,) = read_records(records)
+        return record
+    records.unlink(missing_ok=True)
     run([*RCPU_BENCH, "prune", "--model", str(model), *variant.options, "--calib", setting.calib,
          "--ppl", setting.ppl, "--save", str(out), "--out", str(records), "--quiet"])
     (record,) = read_records(records)
@@ -213,8 +218,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="threads of both engines (default: torch's)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "benchmarks" / "speed_cpu",
                         help="writes OUT.json and OUT.md")
-    parser.add_argument("--work", type=Path, help="directory for the models (default: a temporary one, deleted)")
+    parser.add_argument("--work", type=Path, help="directory for the models (default: a temporary one, deleted); "
+                        "finished prunes there are reused")
+    parser.add_argument("--prune-only", action="store_true", help="prune the variants into --work and stop (the "
+                        "pruning need not run on an idle machine; the timing run reuses them)")
     args = parser.parse_args(argv)
+    if args.prune_only and args.work is None:
+        parser.error("--prune-only needs --work DIR (where the timing run finds the pruned models)")
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: allowed: an integer >= 1")
     return args
@@ -237,9 +247,14 @@ def main(argv: list[str] | None = None) -> int:
             for index, variant in enumerate(variants(round_to)):
                 saved = work / f"{model.name}-{index}"
                 record = prune(model, variant, setting, saved)
+                if args.prune_only:
+                    continue
                 rows.append({"model": label, "variant": variant.name, "ppl": record["perplexity"][0]["ppl"],
                              **measure(saved, setting, work)})
                 print(json.dumps(rows[-1]), flush=True)
+    if args.prune_only:
+        print(f"pruned the variants into {work}")
+        return 0
     add_speedups(rows)
     command = ["python", "benchmarks/speed_table.py", *(sys.argv[1:] if argv is None else argv)]
     result = {"command": " ".join(command), "machine": machine(args.threads),
