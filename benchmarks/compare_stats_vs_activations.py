@@ -155,7 +155,7 @@ def run_ours(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) -> dic
         results[module] = {"weight": projection(layer, module).weight.detach().cpu(),
                            "pruned_columns": columns_of(pruned_units, mapping.unit_size),
                            "statistics": "+".join(sorted(plan[module])) or "moments",
-                           "solver": report.get("solver", "")}
+                           "solver": report["info"].get("solver", "")}
         if spec.gram_error:
             results[module] |= gram_error(dense[module], stats[module], reference[module], results[module], spec)
     return results

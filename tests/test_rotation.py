@@ -107,8 +107,19 @@ def test_completion_is_the_optimal_q_closest_to_identity(n, data, seed):
 
 @pytest.fixture
 def auto_is_eigh(monkeypatch):
-    """'auto' as on CUDA: eigh with the SVD fallback (on the CPU it is the SVD, R.AUTO_SOLVERS)."""
-    monkeypatch.setattr(R, "AUTO_SOLVERS", {})
+    """'auto' as on CUDA or for large M on the CPU: eigh with the SVD fallback (R.auto_solver)."""
+    monkeypatch.setattr(R, "CPU_SVD_BELOW", 0)
+
+
+def test_auto_on_the_cpu_is_eigh_from_the_size_threshold(monkeypatch):
+    """Below CPU_SVD_BELOW the SVD runs, from it eigh; both give the SVD's Q to float64 accuracy."""
+    m, _, _ = make_m(48, 40, 3.0, seed=2)
+    reference = R.polar(m, "svd").q
+    for threshold, solver in ((49, "svd"), (48, "eigh")):
+        monkeypatch.setattr(R, "CPU_SVD_BELOW", threshold)
+        out = R.polar(m)
+        assert out.info["solver"] == solver
+        assert float((out.q - reference).abs().max()) <= 1e-10
 
 
 def test_auto_is_the_float64_svd_on_the_cpu():

@@ -252,6 +252,35 @@ def test_collect_input_stats_on_linear_equals_one_big_batch():
     assert_same_stats(collected["proj"], stats_of(X))
 
 
+@pytest.mark.parametrize("chunk", [4, 7, 64])
+def test_gathered_batches_equal_direct_float64_sums(chunk):
+    """Batches gathered up to CHUNK_TOKENS (fewer, longer updates) give the float64 sums of all tokens, C included."""
+    layer = linear(6, 4, seed=12)
+    batches = [make_X(6, n, seed=20 + n).T.reshape(1, n, 6) for n in (3, 5, 9, 2)]
+    with mock.patch.object(stats_module, "CHUNK_TOKENS", chunk), torch.no_grad(), \
+            collect_input_stats({"proj": layer}, with_cross=True) as collected:
+        for batch in batches:
+            layer(batch)
+    X = torch.cat([b.reshape(-1, 6) for b in batches]).T  # d_in × N
+    Y = layer.weight.detach() @ X  # d_out × N
+    stats = collected["proj"]
+    assert_same_stats(stats, stats_of(X))
+    torch.testing.assert_close(stats.cross, Y @ X.T, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(stats.out_sq_sum, Y.square().sum(), rtol=1e-12, atol=1e-10)
+
+
+def test_gathered_batches_are_copies():
+    """A later in-place change of the layer's input or output does not reach the held tokens."""
+    layer = linear(3, 2, seed=13)
+    x = make_X(3, 4, seed=14).T.reshape(1, 4, 3).clone()
+    with torch.no_grad(), collect_input_stats({"proj": layer}) as collected:
+        out = layer(x)
+        expected = x.reshape(-1, 3).sum(0).clone()
+        x.mul_(100)
+        out.mul_(100)
+    torch.testing.assert_close(collected["proj"].sum, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_collect_input_stats_removes_hooks_on_exit():
     layer = linear(3, 2, seed=8)
     with torch.no_grad():

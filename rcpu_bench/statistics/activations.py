@@ -245,19 +245,52 @@ def bias_free(module: nn.Linear, output: Tensor) -> Tensor:
     return output if module.bias is None else output - module.bias
 
 
+class PendingTokens:
+    """A module's hook batches held until ``CHUNK_TOKENS`` tokens are gathered, then folded in one update.
+
+    Folding costs a pass over the float64 accumulators per update, whatever the batch's length, and the
+    block products run faster with more tokens (a longer inner dimension), so short forward batches
+    (e.g. 8 windows of 128 tokens) are gathered first. Copies are held, so later in-place changes of the
+    layer's tensors cannot reach the sums; at most ``CHUNK_TOKENS`` tokens are held per module.
+    """
+
+    def __init__(self, stats: ActivationStats):
+        self.stats, self.inputs, self.outputs, self.tokens = stats, [], [], 0
+
+    def add(self, x: Tensor, outputs: Tensor | None) -> None:
+        rows = x.detach().reshape(-1, self.stats.d_in)
+        if not self.inputs and rows.shape[0] >= CHUNK_TOKENS:
+            self.stats.update(rows, outputs)
+            return
+        self.inputs.append(rows.to(self.stats.device, copy=True))
+        if outputs is not None:
+            self.outputs.append(outputs.detach().reshape(rows.shape[0], -1).to(self.stats.device, copy=True))
+        self.tokens += rows.shape[0]
+        if self.tokens >= CHUNK_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Fold the held tokens into the sums."""
+        if self.inputs:
+            self.stats.update(torch.cat(self.inputs), torch.cat(self.outputs) if self.outputs else None)
+        self.inputs, self.outputs, self.tokens = [], [], 0
+
+
 @contextmanager
 def collect_input_stats(modules: Mapping[str, nn.Linear], *, with_gram: Iterable[str] | bool = True,
                         with_cross: Iterable[str] | bool = False,
                         gram_precision: GramPrecision = "mixed") -> Iterator[dict[str, ActivationStats]]:
     """Stream input (and output) statistics of each named module while the block runs.
 
-    Yields a dict name -> ActivationStats, filled by forward hooks; ``with_gram`` and ``with_cross`` say
-    for which modules G and C are needed (True/False for all, or a collection of names),
-    ``gram_precision`` how they are accumulated (module docstring). In "mixed" precision every module also
-    keeps ‖Y‖² of its bias-free output.
+    Yields a dict name -> ActivationStats, filled by forward hooks and complete when the context exits
+    (short batches are gathered up to ``CHUNK_TOKENS`` tokens first: :class:`PendingTokens`); ``with_gram``
+    and ``with_cross`` say for which modules G and C are needed (True/False for all, or a collection of
+    names), ``gram_precision`` how they are accumulated (module docstring). In "mixed" precision every
+    module also keeps ‖Y‖² of its bias-free output.
     """
     gram, cross = _names(modules, with_gram), _names(modules, with_cross)
     stats: dict[str, ActivationStats] = {}
+    pending: list[PendingTokens] = []
     handles = []
     for name, module in modules.items():
         weight = module.weight
@@ -265,14 +298,17 @@ def collect_input_stats(modules: Mapping[str, nn.Linear], *, with_gram: Iterable
         stats[name] = ActivationStats.empty(weight.shape[1], with_gram=name in gram, device=weight.device,
                                             gram_precision=gram_precision,
                                             d_out=weight.shape[0] if outputs else None, with_cross=name in cross)
+        pending.append(PendingTokens(stats[name]))
 
-        def hook(module: nn.Linear, args: tuple[Tensor, ...], output: Tensor, s: ActivationStats = stats[name],
+        def hook(module: nn.Linear, args: tuple[Tensor, ...], output: Tensor, held: PendingTokens = pending[-1],
                  outputs: bool = outputs) -> None:
-            s.update(args[0], bias_free(module, output) if outputs else None)
+            held.add(args[0], bias_free(module, output) if outputs else None)
 
         handles.append(module.register_forward_hook(hook))
     try:
         yield stats
+        for held in pending:
+            held.flush()
     finally:
         for handle in handles:
             handle.remove()
