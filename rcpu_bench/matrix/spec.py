@@ -306,9 +306,9 @@ def _cell(matrix: Matrix, model: ModelSpec, spec: MethodSpec, ratio: float, n_ca
     recipe = recipe_of(prune)
     return Cell(matrix=matrix.name, model=model.model, model_label=model.label, revision=model.revision,
                 method=recipe.key if recipe and spec.name is None else CUSTOM,
-                method_label=method_label(prune, spec.name), ratio=ratio, n_calib=n_calib,
+                method_label=method_label(prune, spec.name), n_calib=n_calib,
                 seqlen=matrix.calib.seqlen, calib=matrix.calib.spec(n_calib),
-                lam=prune["compensator_params"].get("lam"), prune=prune,
+                prune=prune,
                 ppl_profiles=matrix.ppl_profiles if "ppl" in matrix.eval else (), eval=matrix.eval,
                 dtype=matrix.dtype, device=matrix.device, eval_batch_size=matrix.eval_batch_size,
                 zeroshot_limit=matrix.zeroshot_limit if "zeroshot" in matrix.eval else None)
