@@ -48,7 +48,8 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
         config["compensator_params"] = {"lam": lam}
     cell = {"matrix": matrix, "model": f"/models/{model}", "model_label": model, "revision": None,
             "method": method if alias else "custom", "method_label": label or alias.label,
-            "n_calib": n_calib, "seqlen": seqlen, "calib": f"wikitext2:{n_calib}x{seqlen}", "prune": config, "ppl_profiles": ["rcpu128"], "eval": ["ppl"] + (["zeroshot"] if zeroshot else []),
+            "n_calib": n_calib, "seqlen": seqlen, "calib": f"wikitext2:{n_calib}x{seqlen}", "prune": config,
+            "ppl_profiles": ["rcpu128"], "eval": ["ppl"] + (["zeroshot"] if zeroshot else []),
             "dtype": "float32", "device": "cuda"}
     layers = [{"layer": i, "statistics": prune_seconds / n_layers / 2, "solve": prune_seconds / n_layers / 2}
               for i in range(n_layers)]

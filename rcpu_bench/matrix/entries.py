@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
-from rcpu_bench import data
+from rcpu_bench import data, experiment_options
 from rcpu_bench.experiment import DEFAULT_CALIB
 from rcpu_bench.matrix.cells import SHARED, portable
 from rcpu_bench.matrix.schema import (
@@ -24,6 +24,7 @@ from rcpu_bench.matrix.schema import (
     integer,
     items,
     listed,
+    option_key,
     optional,
     read_keys,
     text,
@@ -50,7 +51,7 @@ class ModelSpec:
 MODEL_KEYS = (Key("model", lambda where, value: portable(text(where, value)),
                   f"a local directory or a hub id; {SHARED} is the shared fixtures directory"),
               Key("label", text, "the name the tables show (default: the last part of the path)", None),
-              Key("revision", optional(text), "the hub revision, pinned and recorded", None))
+              option_key(experiment_options.BY_NAME["revision"]))
 
 
 def read_model(where: str, entry: Any) -> ModelSpec:
@@ -63,15 +64,7 @@ def read_model(where: str, entry: Any) -> ModelSpec:
 # ----------------------------------------------------------------------------------------------- methods
 
 
-def read_option(where: str, name: str, value: Any) -> Any:
-    """An option's value from YAML (lists of modules as tuples), checked against its declaration."""
-    try:
-        return options.coerce(name, value)
-    except ValueError as error:
-        raise MatrixError(f"{where}: {error}") from None
-
-
-PRUNE_KEYS = tuple(Key(o.name, lambda where, value, name=o.name: read_option(where, name, value), o.help, o.default)
+PRUNE_KEYS = tuple(option_key(o, lambda where, value, o=o: options.as_field_type(o, value))
                    for o in options.OPTIONS if o.name != "ratio")
 
 

@@ -1,5 +1,8 @@
 """The matrix schema as data: a :class:`Key` per allowed key (reader, default, help), and the readers.
 
+A key that is a declared option (:mod:`rcpu_bench.pruning.options`, :mod:`rcpu_bench.experiment_options`) is
+made from its declaration (:func:`option_key`): its help, default and check come from there.
+
 A reader takes ``(where, value)`` (``where`` is the dotted location, e.g. ``calib.seqlen``) and returns the
 value parsed, or raises :class:`MatrixError` naming the location, the bad value and what is allowed.
 :func:`read_keys` reads a whole mapping against its declared keys; :func:`markdown_table` renders the
@@ -11,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from rcpu_bench.options import Option
 
 Reader = Callable[[str, Any], Any]
 REQUIRED = object()  # the default of a key that must be given
@@ -39,6 +44,19 @@ class Key:
     @property
     def required(self) -> bool:
         return self.default is REQUIRED
+
+
+def option_key(option: Option, read: Reader | None = None) -> Key:
+    """The key of a declared option: its help and default, values checked by the option (``read``: a reader that
+    parses the YAML value first, e.g. into the option's type); errors name the location."""
+    def read_option(where: str, value: Any) -> Any:
+        value = value if read is None else read(where, value)
+        try:
+            option.check(value)
+        except ValueError as error:
+            raise MatrixError(f"{where}: {error}") from None
+        return value
+    return Key(option.name, read_option, option.help, option.default)
 
 
 def read_keys(where: str, mapping: Any, keys: Sequence[Key]) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from typing import Any
 
 import yaml
 
+from rcpu_bench import experiment_options
 from rcpu_bench.compensation.compensators import LAMBDA_GRID
 from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
 from rcpu_bench.matrix.cells import SHARED, Cell
@@ -74,15 +75,14 @@ from rcpu_bench.matrix.schema import (
     choice,
     error_message,
     flag,
-    integer,
     listed,
     markdown_table,
     number,
-    optional,
+    option_key,
     read_keys,
     text,
 )
-from rcpu_bench.model.loading import DEFAULT_DEVICE, DEFAULT_DTYPE, resolve_device, resolve_dtype
+from rcpu_bench.model.loading import DEFAULT_DEVICE, DEFAULT_DTYPE
 from rcpu_bench.pruning.methods import CUSTOM, RECIPES, method_label, recipe_of
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.registry import Registry
@@ -135,10 +135,8 @@ TOP_KEYS = (
     Key("eval", listed(choice(EVALS)), "what to evaluate", ("ppl",)),
     Key("ppl_profiles", listed(checked(perplexity.get_profile)), "perplexity profiles", ("rcpu128",)),
     Key("include_dense", flag, "add one dense (original) cell per model", False),
-    Key("dtype", checked(resolve_dtype), "the model's dtype", DEFAULT_DTYPE),
-    Key("device", checked(resolve_device), "cpu, cuda or cuda:N (does not enter cell ids)", DEFAULT_DEVICE),
-    Key("eval_batch_size", integer(1), "sequences per perplexity batch (does not change results)", EVAL_BATCH_SIZE),
-    Key("zeroshot_limit", optional(integer(1)), "examples per zero-shot task, for quick runs (null: all)", None),
+    *(option_key(experiment_options.BY_NAME[name]) for name in ("dtype", "device", "eval_batch_size",
+                                                                 "zeroshot_limit")),
     Key("prune", read_prune, "options for every method (a method's own options win)", {}),
     Key("ablation", lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
         "{compensate: [...]}: multiply the methods by the modules compensated", (), "none"),
