@@ -1,8 +1,10 @@
 """The one mechanism by which options are declared: an :class:`Option` (kind, default, choices, help, cell-id rule)
 and what every declaration derives from it: the check of a value, the ``--flag`` of a command, the README row.
 
-Two declarations use it: the pruning options (:mod:`rcpu_bench.pruning.options`, :class:`PruneConfig`'s fields)
-and the experiment-level options (:mod:`rcpu_bench.experiment_options`: dtype, device, batch size, ...).
+Three declarations use it: the pruning options (:mod:`rcpu_bench.pruning.options`, :class:`PruneConfig`'s
+fields), the experiment-level options (:mod:`rcpu_bench.experiment_options`: dtype, device, batch size, ...) and
+the matrix schema (:mod:`rcpu_bench.matrix.schema`), whose keys are these options plus its structural keys
+(``models``, ``methods``, ``calib``, ...: kind ``structure``, each with its own reader).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Any, Literal
 from rcpu_bench.model.views import MODULES
 from rcpu_bench.selection.select import n_pruned
 
-Kind = Literal["name", "text", "params", "ratio", "choice", "modules", "flag", "count", "windows", "multiple"]
+Kind = Literal["name", "text", "params", "ratio", "choice", "modules", "flag", "count", "windows", "multiple",
+               "structure"]
 ALLOWED: dict[str, str] = {"name": "a registered name (rcpu-bench plugins)", "text": "a non-empty string",
                            "params": "a mapping of parameters", "ratio": "a number in [0, 1)",
                            "modules": f"a subset of {', '.join(MODULES)}", "flag": "true, false",
                            "count": "an integer >= 1", "windows": "an integer >= 0",
-                           "multiple": "an integer >= 0 (0: off)"}
+                           "multiple": "an integer >= 0 (0: off)", "structure": "what its reader reads"}
 
 
 @dataclass(frozen=True)
@@ -31,9 +34,11 @@ class Option:
     ``kind``: ``name`` a registered method's name (checked against the registry elsewhere), ``text`` a non-empty
     string, ``params`` keyword parameters (``--x-param K=V``, repeatable), ``ratio`` a number in [0, 1),
     ``choice`` one of ``choices``, ``modules`` a subset of :data:`MODULES`, ``flag`` a boolean, ``count`` an
-    integer >= 1, ``windows`` an integer >= 0, ``multiple`` an integer >= 0 (0: off). An option whose default is
-    None also takes None (unset). ``library_check`` (a dtype's or device's name): a function that raises a
-    ValueError naming the bad value and what is allowed.
+    integer >= 1, ``windows`` an integer >= 0, ``multiple`` an integer >= 0 (0: off), ``structure`` a matrix
+    value that ``read`` parses and checks. An option whose default is None also takes None (unset).
+    ``library_check`` (a dtype's or device's name): a function that raises a ValueError naming the bad value and
+    what is allowed. ``read(where, value)`` parses a matrix's YAML value (``where``: its location), raising an
+    error that names the location; ``shown``: the default as the README writes it, when not the value itself.
     """
 
     name: str
@@ -45,6 +50,8 @@ class Option:
     recipe: bool = False
     cli: str | None = None  # the command-line flag when the field's name would be ambiguous (batch_size)
     library_check: Callable[[Any], Any] | None = None
+    read: Callable[[str, Any], Any] | None = None
+    shown: str | None = None
 
     @property
     def flag(self) -> str:
@@ -87,6 +94,8 @@ def _valid(option: Option, value: Any) -> bool:
         return isinstance(value, tuple) and set(value) <= set(MODULES) and len(set(value)) == len(value)
     if kind == "flag":
         return isinstance(value, bool)
+    if kind == "structure":
+        return True  # its reader checks it
     return isinstance(value, int) and not isinstance(value, bool) and value >= (1 if kind == "count" else 0)
 
 

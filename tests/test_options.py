@@ -12,7 +12,9 @@ import pytest
 from rcpu_bench import experiment_options
 from rcpu_bench.cli import build_parser
 from rcpu_bench.commands import subcommand_parser
+from rcpu_bench.matrix.entries import MODEL_KEYS, PRUNE_KEYS
 from rcpu_bench.matrix.spec import TOP_KEYS
+from rcpu_bench.options import Option
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.options import MODULES, OPTIONS, PruneConfig
 from rcpu_bench.registry import default_registry
@@ -157,8 +159,17 @@ def test_a_good_experiment_option_passes(name, value):
     experiment_options.BY_NAME[name].check(value)
 
 
-def test_the_matrix_keys_of_experiment_options_are_their_declarations():
+def test_the_matrix_schema_is_options_and_its_option_keys_are_the_declarations():
     keys = {key.name: key for key in TOP_KEYS}
+    assert all(isinstance(key, Option) for key in (*TOP_KEYS, *PRUNE_KEYS, *MODEL_KEYS))
     for name in ("dtype", "device", "eval_batch_size", "zeroshot_limit"):
-        option = experiment_options.BY_NAME[name]
-        assert (keys[name].help, keys[name].default) == (option.help, option.default)
+        assert keys[name] is experiment_options.BY_NAME[name]
+    assert {key.name for key in TOP_KEYS if key.kind == "structure"} == {
+        "name", "models", "methods", "ratios", "calib", "lambdas", "eval", "ppl_profiles", "include_dense", "prune",
+        "ablation"}
+    assert [key.name for key in PRUNE_KEYS] == [o.name for o in OPTIONS if o.name != "ratio"]
+    for key in PRUNE_KEYS:  # the declaration, read into the field's type first
+        option = options.BY_NAME[key.name]
+        assert (key.kind, key.help, key.default, key.choices) == (option.kind, option.help, option.default,
+                                                                  option.choices)
+    assert MODEL_KEYS[-1] is experiment_options.BY_NAME["revision"]

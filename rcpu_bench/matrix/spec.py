@@ -69,7 +69,6 @@ from rcpu_bench.matrix.entries import (
     resolve,
 )
 from rcpu_bench.matrix.schema import (
-    Key,
     MatrixError,
     checked,
     choice,
@@ -77,6 +76,7 @@ from rcpu_bench.matrix.schema import (
     flag,
     listed,
     markdown_table,
+    matrix_key,
     number,
     option_key,
     read_keys,
@@ -119,26 +119,26 @@ def _matrix_name(where: str, value: Any) -> str:
     return name
 
 
-ABLATION_KEYS = (Key("compensate", listed(choice(COMPENSATE_VARIANTS)), "the modules compensated, one variant each: "
-                     + ", ".join(COMPENSATE_VARIANTS), ()),)
+ABLATION_KEYS = (matrix_key("compensate", listed(choice(COMPENSATE_VARIANTS)),
+                            "the modules compensated, one variant each: " + ", ".join(COMPENSATE_VARIANTS), ()),)
 TOP_KEYS = (
-    Key("name", _matrix_name, "results go to results/<name> by default (no path separators, no ..)", None,
+    matrix_key("name", _matrix_name, "results go to results/<name> by default (no path separators, no ..)", None,
         "the file's stem"),
-    Key("models", listed(read_model), f"local directories or hub ids ({SHARED}: the shared fixtures), or "
+    matrix_key("models", listed(read_model), f"local directories or hub ids ({SHARED}: the shared fixtures), or "
         "mappings {model, label, revision}"),
-    Key("methods", listed(read_method), "recipe keys, custom methods {name, ...options} or products "
+    matrix_key("methods", listed(read_method), "recipe keys, custom methods {name, ...options} or products "
         "{scorers, compensators}"),
-    Key("ratios", listed(_ratio), "pruning ratios in (0, 1)"),
-    Key("calib", read_calib, "calibration: {source, n_calib, seqlen, seed}", read_calib("calib", {}),
+    matrix_key("ratios", listed(_ratio), "pruning ratios in (0, 1)"),
+    matrix_key("calib", read_calib, "calibration: {source, n_calib, seqlen, seed}", read_calib("calib", {}),
         "see below"),
-    Key("lambdas", listed(_lambda), "the λ grid of λ-grid methods", LAMBDA_GRID),
-    Key("eval", listed(choice(EVALS)), "what to evaluate", ("ppl",)),
-    Key("ppl_profiles", listed(checked(perplexity.get_profile)), "perplexity profiles", ("rcpu128",)),
-    Key("include_dense", flag, "add one dense (original) cell per model", False),
+    matrix_key("lambdas", listed(_lambda), "the λ grid of λ-grid methods", LAMBDA_GRID),
+    matrix_key("eval", listed(choice(EVALS)), "what to evaluate", ("ppl",)),
+    matrix_key("ppl_profiles", listed(checked(perplexity.get_profile)), "perplexity profiles", ("rcpu128",)),
+    matrix_key("include_dense", flag, "add one dense (original) cell per model", False),
     *(option_key(experiment_options.BY_NAME[name]) for name in ("dtype", "device", "eval_batch_size",
                                                                  "zeroshot_limit")),
-    Key("prune", read_prune, "options for every method (a method's own options win)", {}),
-    Key("ablation", lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
+    matrix_key("prune", read_prune, "options for every method (a method's own options win)", {}),
+    matrix_key("ablation", lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
         "{compensate: [...]}: multiply the methods by the modules compensated", (), "none"),
 )
 
