@@ -18,6 +18,7 @@ from rcpu_bench.matrix.cells import SHARED, portable
 from rcpu_bench.matrix.schema import (
     REQUIRED,
     MatrixError,
+    Reader,
     checked,
     error_message,
     integer,
@@ -29,6 +30,7 @@ from rcpu_bench.matrix.schema import (
     read_keys,
     text,
 )
+from rcpu_bench.options import Option
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.registry import Registry
@@ -64,8 +66,12 @@ def read_model(where: str, entry: Any) -> ModelSpec:
 # ----------------------------------------------------------------------------------------------- methods
 
 
-PRUNE_KEYS = tuple(option_key(o, lambda where, value, o=o: options.as_field_type(o, value))
-                   for o in options.OPTIONS if o.name != "ratio")
+def _typed(option: Option) -> Reader:
+    """A reader of a YAML value into the option's field type (lists of modules as tuples); the option checks it."""
+    return lambda where, value: options.as_field_type(option, value)
+
+
+PRUNE_KEYS = tuple(option_key(o, _typed(o)) for o in options.OPTIONS if o.name != "ratio")
 
 
 def read_prune(where: str, mapping: Any) -> dict[str, Any]:
