@@ -54,6 +54,7 @@ class Record:
     versions: dict[str, str] | None = None  # library_versions()
     environment: dict[str, Any] | None = None  # environment(device)
     inference: dict[str, Any] | None = None  # rcpu_bench.evaluation.speed.inference_speed
+    inference_llama_cpp: dict[str, Any] | None = None  # speed_llama_cpp.model_speed (a matrix's eval speed-llama-cpp)
     sample: dict[str, str] | None = None  # rcpu_bench.evaluation.generation.text_sample
     generalisation: dict[str, Any] | None = None  # rcpu_bench.compensation.diagnostics.summary (--holdout)
     method_report: dict[str, Any] | None = None  # a whole-model method's own report

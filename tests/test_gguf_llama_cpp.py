@@ -10,15 +10,22 @@ import copy
 import numpy as np
 import pytest
 import torch
+from tiny_matrices import tiny_matrix
 from tiny_models import STORIES, STORIES_MHA, apply_plan, needs_stories, random_plan, tiny_config, tiny_model
 from transformers import AutoTokenizer
 
 from rcpu_bench.commands.export import export_model
+from rcpu_bench.evaluation.speed import NEW_TOKENS as SPEED_NEW_TOKENS
+from rcpu_bench.evaluation.speed import PROMPT_TOKENS
 from rcpu_bench.evaluation.speed_llama_cpp import greedy_token, llama_cpp_speed, load_gguf
 from rcpu_bench.export.gguf import export_gguf
+from rcpu_bench.matrix.runner import run_matrix
+from rcpu_bench.matrix.store import Store, read_results
 from rcpu_bench.model.loading import load_model
 from rcpu_bench.model.persistence import load_saved, save_pruned
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
+from rcpu_bench.records import Record
+from rcpu_bench.tables.layout import build_tables, spec
 
 pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
@@ -166,6 +173,24 @@ def test_speed_command_times_both_engines(capsys):
     assert [row[1] for row in rows] == ["transformers", "llama.cpp"] and rows[0][2] == rows[1][2] == "280,512"
     assert main([*common, "--engine", "llama.cpp", "--eval-batch-size", "2"]) == 2
     assert "llama.cpp is timed at batch 1 only" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@needs_stories
+def test_a_matrix_cell_records_llama_cpp_speed_and_the_efficiency_table_shows_it(tmp_path):
+    """eval speed-llama-cpp: the pruned model's GGUF export timed at batch 1 on torch's threads, into the record's
+    typed field, and two further efficiency columns holding the record's figures (not the timing values)."""
+    run_matrix(tiny_matrix(["rcpu-rot"], eval=["ppl", "speed-llama-cpp"]), tmp_path, progress=False)
+    (entry,) = Store(tmp_path).entries()
+    speed = Record.from_json(entry["record"]).inference_llama_cpp
+    assert (speed["batch_size"], speed["gguf_dtype"], speed["threads"]) == (1, "float16", torch.get_num_threads())
+    assert (speed["prompt_tokens"], speed["new_tokens"]) == (PROMPT_TOKENS, SPEED_NEW_TOKENS)
+    assert speed["prefill_tokens_per_s"] > 0 and speed["decode_tokens_per_s"] > 0
+    (table,) = build_tables(read_results(tmp_path).results, spec("efficiency"), None)
+    columns = {column.header: j for j, column in enumerate(table.columns)}
+    (row,) = table.rows
+    assert row.cells[columns["llama.cpp (CPU) prefill tok/s"]] == speed["prefill_tokens_per_s"]
+    assert row.cells[columns["llama.cpp (CPU) decode tok/s"]] == speed["decode_tokens_per_s"]
 
 
 @needs_stories

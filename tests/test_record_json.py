@@ -53,3 +53,11 @@ def test_a_record_without_a_required_field_or_of_an_unknown_version_is_refused()
         Record.from_json(broken)
     with pytest.raises(ValueError, match="schema_version 99"):
         Record.from_json({**minimal(), "schema_version": 99})
+
+
+def test_llama_cpp_speed_is_a_field_that_older_records_lack():
+    assert Record.from_json(minimal()).inference_llama_cpp is None
+    speed = {"prefill_tokens_per_s": 900.0, "decode_tokens_per_s": 90.0, "gguf_dtype": "float16"}
+    record = Record.from_json({**minimal(), "inference_llama_cpp": speed})
+    assert record.inference_llama_cpp == speed and record.extra == {}
+    assert record.to_json() == {**minimal(), "inference_llama_cpp": speed, "schema_version": SCHEMA_VERSION}

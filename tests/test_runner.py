@@ -167,6 +167,14 @@ def test_missing_zeroshot_data_is_reported_before_any_cell_runs(tmp_path, fake_z
     assert not (tmp_path / "records.jsonl").exists()
 
 
+@needs_stories
+def test_llama_cpp_speed_without_llama_cpp_is_refused_before_any_cell_runs(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    with pytest.raises(MatrixError, match=r"eval speed-llama-cpp: .*pip install 'rcpu-bench\[gguf\]'"):
+        run_matrix(tiny_matrix(["rcpu-rot"], eval=["ppl", "speed-llama-cpp"]), tmp_path, progress=False)
+    assert not (tmp_path / "records.jsonl").exists()
+
+
 # --- kills ----------------------------------------------------------------------------------------
 
 RUNNER_SCRIPT = """\

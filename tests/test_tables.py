@@ -324,6 +324,21 @@ def test_efficiency_table_shows_the_measured_device_and_generation_speed():
     assert "NVIDIA H100 80GB HBM3" in text and "12,346" in text and "| 79 " in text
 
 
+def test_llama_cpp_speed_columns_appear_only_in_the_tables_of_slots_that_measured_it():
+    timed = entry("rcpu-rot", 0.1, 13.55)
+    timed["record"]["inference_llama_cpp"] = {"prefill_tokens_per_s": 2345.6, "decode_tokens_per_s": 123.4,
+                                              "gguf_dtype": "float16", "threads": 2}
+    untimed, other_model = entry("wanda-sp", 0.1, 14.0), entry("rcpu-rot", 0.1, 9.0, model="Llama-2-13B")
+    with_llama_cpp, without = tables_of([timed, untimed, other_model], "efficiency")
+    headers = [c.header for c in with_llama_cpp.columns]
+    assert headers[-2:] == ["llama.cpp (CPU) prefill tok/s", "llama.cpp (CPU) decode tok/s"]
+    assert "Llama-7B" in with_llama_cpp.title
+    rows = {row.label: row.cells[-2:] for row in with_llama_cpp.rows}
+    assert rows == {"RCPU (Rot.)": (2345.6, 123.4), "WANDA-sp": (None, None)}
+    assert "llama.cpp" not in " ".join(c.header for c in without.columns) and "Llama-2-13B" in without.title
+    assert "| 2,346 " in render([with_llama_cpp], "md")
+
+
 def test_the_default_profile_is_rcpu128_else_its_one_window_range_else_the_first():
     full, subset, stories = (entry("rcpu-rot", 0.1, 13.0) for _ in range(3))
     subset["record"]["perplexity"][0]["profile"] = "rcpu128[0:1024]"

@@ -4,8 +4,6 @@ engine: transformers, and llama.cpp through a temporary GGUF file (:mod:`rcpu_be
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +13,8 @@ from rcpu_bench import console, experiment_options
 from rcpu_bench.commands import command
 from rcpu_bench.commands.shared import check_models
 from rcpu_bench.evaluation.speed import NEW_TOKENS, PROMPT_TOKENS, REPEATS, inference_speed
-from rcpu_bench.export.gguf import DTYPES, check_dtype, export_gguf
+from rcpu_bench.evaluation.speed_llama_cpp import GGUF_DTYPE
+from rcpu_bench.export.gguf import DTYPES, check_dtype
 from rcpu_bench.model.loading import LoadedModel, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.options import positive_int
@@ -31,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", choices=ENGINES,
                    help="inference engine (repeatable; default transformers): llama.cpp times the model exported "
                    "to a temporary GGUF file, on the CPU, at batch 1")
-    p.add_argument("--gguf-outtype", default="float16", choices=DTYPES, help="type of the GGUF matrices llama.cpp "
+    p.add_argument("--gguf-outtype", default=GGUF_DTYPE, choices=DTYPES, help="type of the GGUF matrices llama.cpp "
                    "runs")
     p.add_argument("--threads", type=positive_int, help="llama.cpp threads (default: torch's intra-op threads, the "
                    "number transformers runs on)")
@@ -60,13 +59,11 @@ def check_engines(args: argparse.Namespace) -> None:
 
 def llama_cpp_speed_of(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
     """Export a loaded model to a temporary GGUF file and time it in llama.cpp."""
-    from rcpu_bench.evaluation.speed_llama_cpp import llama_cpp_speed
+    from rcpu_bench.evaluation.speed_llama_cpp import model_speed
 
-    with tempfile.TemporaryDirectory(prefix="rcpu-speed-") as scratch:
-        path = Path(scratch) / "model.gguf"
-        export_gguf(loaded.model, loaded.tokenizer, path, dtype=args.gguf_outtype)
-        return llama_cpp_speed(path, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                               repeats=args.repeats, threads=args.threads or torch.get_num_threads())
+    return model_speed(loaded.model, loaded.tokenizer, dtype=args.gguf_outtype, prompt_tokens=args.prompt_tokens,
+                       new_tokens=args.new_tokens, repeats=args.repeats,
+                       threads=args.threads or torch.get_num_threads())
 
 
 @command()

@@ -4,17 +4,24 @@ Measured as ``rcpu_bench.evaluation.speed`` measures transformers, so the two en
 side: batch 1, a prompt of random ids evaluated in one batch (the prefill, filling the KV cache), then
 ``new_tokens`` single-token steps each on the previous step's greedy token (the decode), an untimed warm-up
 first, each rate from the median of ``repeats`` runs. The random state of the caller is untouched.
+:func:`model_speed` times a loaded (pruned) model through a temporary GGUF export: ``rcpu-bench speed
+--engine llama.cpp`` and a matrix cell's ``eval: [speed-llama-cpp]`` (``Record.inference_llama_cpp``).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rcpu_bench.evaluation.speed import NEW_TOKENS, PROMPT_TOKENS, REPEATS, check_counts, rates
+from rcpu_bench.export.gguf import check_dtype, export_gguf
+
+GGUF_DTYPE = "float16"  # the type of the timed GGUF matrices unless asked otherwise (llama.cpp's usual one)
 
 
 def require_llama_cpp() -> Any:
@@ -77,3 +84,18 @@ def llama_cpp_speed(path: str | os.PathLike, *, prompt_tokens: int = PROMPT_TOKE
     return {"batch_size": 1, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "prefill_tokens_per_s": prefill,
             "decode_tokens_per_s": decode, "device": "cpu (llama.cpp)", "repeats": repeats,
             "threads": llm.context_params.n_threads}
+
+
+def model_speed(model: Any, tokenizer: Any, *, dtype: str = GGUF_DTYPE, prompt_tokens: int = PROMPT_TOKENS,
+                new_tokens: int = NEW_TOKENS, repeats: int = REPEATS, threads: int | None = None) -> dict[str, Any]:
+    """:func:`llama_cpp_speed` of ``model`` exported (with its ``tokenizer``) to a temporary GGUF file of
+    matrices in ``dtype``, deleted afterwards; the result also names ``gguf_dtype``."""
+    check_dtype(dtype)
+    check_counts(batch_size=1, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats)
+    require_llama_cpp()
+    with tempfile.TemporaryDirectory(prefix="rcpu-speed-") as scratch:
+        path = Path(scratch) / "model.gguf"
+        export_gguf(model, tokenizer, path, dtype=dtype)
+        speed = llama_cpp_speed(path, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats,
+                                threads=threads)
+    return {**speed, "gguf_dtype": dtype}

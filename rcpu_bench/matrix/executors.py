@@ -113,12 +113,22 @@ def _release_memory() -> None:
 
 
 def evaluations(cell: Cell) -> Callable[[Any, Any], dict[str, Any]] | None:
-    """What the cell evaluates beyond perplexity: zero-shot accuracy (``record["zeroshot"]``) when asked for."""
-    if "zeroshot" not in cell.eval:
-        return None
-    from rcpu_bench.evaluation.zeroshot import evaluate_zeroshot  # lm-eval: imported only when asked for
+    """What the cell evaluates beyond perplexity, when asked for: zero-shot accuracy (``record["zeroshot"]``) and
+    llama.cpp speed (``record["inference_llama_cpp"]``, through a temporary GGUF file, on torch's threads)."""
+    steps: list[Callable[[Any, Any], dict[str, Any]]] = []
+    if "zeroshot" in cell.eval:
+        from rcpu_bench.evaluation.zeroshot import evaluate_zeroshot  # lm-eval: imported only when asked for
 
-    return lambda model, tokenizer: {"zeroshot": evaluate_zeroshot(model, tokenizer, limit=cell.zeroshot_limit)}
+        steps.append(lambda model, tokenizer: {"zeroshot": evaluate_zeroshot(model, tokenizer,
+                                                                             limit=cell.zeroshot_limit)})
+    if "speed-llama-cpp" in cell.eval:
+        from rcpu_bench.evaluation.speed_llama_cpp import model_speed
+
+        steps.append(lambda model, tokenizer: {"inference_llama_cpp": model_speed(
+            model, tokenizer, threads=torch.get_num_threads())})
+    if not steps:
+        return None
+    return lambda model, tokenizer: {key: value for step in steps for key, value in step(model, tokenizer).items()}
 
 
 def run_cell(cell: Cell, registry: Registry, models: ModelCache, inputs: LayerInputCache | None = None,

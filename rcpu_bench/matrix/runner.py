@@ -65,9 +65,10 @@ def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> No
 
     ``expand`` validated each cell's PruneConfig; here each distinct setting of the rest of the
     experiment (model, calibration and hold-out count, profiles, dtype, device) is validated once with
-    Experiment.validate, each cell's ratio against its model's unit counts, and the zero-shot tasks' data once
-    when a cell asks for them. ``here``: the cells run in this process, so their device must exist here (not so
-    for a Ray cluster's workers).
+    Experiment.validate, each cell's ratio against its model's unit counts, the zero-shot tasks' data once
+    when a cell asks for them, llama-cpp-python and the models' GGUF export when a cell asks for llama.cpp speed.
+    ``here``: the cells run in this process, so their device must exist here (not so for a Ray cluster's
+    workers).
     """
     validated: set[str] = set()
     geometries: dict[tuple[str, str | None], list[LayerGeometry]] = {}
@@ -95,6 +96,17 @@ def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> No
             plan_zeroshot()
         except (ValueError, OSError) as error:
             raise MatrixError(f"eval zeroshot: {error}") from None
+    if any("speed-llama-cpp" in cell.eval for cell in cells):
+        from rcpu_bench.evaluation.speed_llama_cpp import require_llama_cpp
+        from rcpu_bench.export.gguf import check_config
+
+        try:
+            require_llama_cpp()
+            for model, revision in dict.fromkeys((cell.experiment().model, cell.revision) for cell in cells
+                                                 if "speed-llama-cpp" in cell.eval):
+                check_config(load_config(model, revision)[0])
+        except (ImportError, ValueError) as error:
+            raise MatrixError(f"eval speed-llama-cpp: {error}") from None
 
 
 @dataclass

@@ -20,7 +20,7 @@ model (ratio 0) when ``include_dense`` is set. Every key in an example (their me
     ratios: [0.1, 0.2, 0.3]
     calib: {source: tinystories, n_calib: [128], seqlen: 128, seed: 0}
     lambdas: [1.0e-2, 1.0, 1.0e+2]  # the λ grid (default compensators.LAMBDA_GRID)
-    eval: [ppl]                     # ppl and/or zeroshot
+    eval: [ppl]                     # ppl, zeroshot and/or speed-llama-cpp
     ppl_profiles: [rcpu128]
     include_dense: true
     dtype: float32
@@ -91,7 +91,7 @@ from rcpu_bench.registry import Registry
 __all__ = ["SHARED", "Cell", "Matrix", "MatrixError", "apply_overrides", "error_message", "expand", "load_matrix",
            "parse_matrix", "read_matrix", "shipped_matrices"]
 
-EVALS = ("ppl", "zeroshot")
+EVALS = ("ppl", "zeroshot", "speed-llama-cpp")
 COMPENSATE_VARIANTS: dict[str, tuple[str, ...]] = {
     "none": (), "o_proj": ("attention",), "down_proj": ("mlp",), "both": ("attention", "mlp")}
 
@@ -132,7 +132,8 @@ TOP_KEYS = (
     matrix_key("calib", read_calib, "calibration: {source, n_calib, seqlen, seed}", read_calib("calib", {}),
         "see below"),
     matrix_key("lambdas", listed(_lambda), "the λ grid of λ-grid methods", LAMBDA_GRID),
-    matrix_key("eval", listed(choice(EVALS)), "what to evaluate", ("ppl",)),
+    matrix_key("eval", listed(choice(EVALS)), "what to evaluate: ppl, zeroshot (lm-eval), speed-llama-cpp (llama.cpp "
+               "tokens/s of a temporary GGUF export, CPU, batch 1)", ("ppl",)),
     matrix_key("ppl_profiles", listed(checked(perplexity.get_profile)), "perplexity profiles", ("rcpu128",)),
     matrix_key("include_dense", flag, "add one dense (original) cell per model", False),
     *(option_key(experiment_options.BY_NAME[name]) for name in ("dtype", "device", "eval_batch_size",

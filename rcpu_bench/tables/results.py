@@ -66,7 +66,13 @@ EFFICIENCY = (Metric("params", "Params", None, decimals=0, style="si"),
               Metric("device", "Device", None, style="text"),
               Metric("prefill_tokens_per_s", "Prefill tok/s", "higher", decimals=0, style="grouped"),
               Metric("decode_tokens_per_s", "Decode tok/s", "higher", decimals=0, style="grouped"))
-METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASK_HEADERS.items()), MEAN, *EFFICIENCY)}
+# llama.cpp's speed of the model's GGUF export (a matrix's eval speed-llama-cpp): columns only where measured.
+LLAMA_CPP_SPEED = (Metric("llama_cpp_prefill_tokens_per_s", "llama.cpp (CPU) prefill tok/s", "higher", decimals=0,
+                          style="grouped"),
+                   Metric("llama_cpp_decode_tokens_per_s", "llama.cpp (CPU) decode tok/s", "higher", decimals=0,
+                          style="grouped"))
+METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASK_HEADERS.items()), MEAN, *EFFICIENCY,
+                                 *LLAMA_CPP_SPEED)}
 
 
 def ppl_of(profile: str) -> Extract:
@@ -153,8 +159,15 @@ def inference(key: str) -> Extract:
     return lambda record: (record.inference or {}).get(key)
 
 
+def llama_cpp_inference(key: str) -> Extract:
+    """A throughput of the pruned model's GGUF export in llama.cpp (``Record.inference_llama_cpp``), None when it
+    was not measured."""
+    return lambda record: (record.inference_llama_cpp or {}).get(key)
+
+
 EFFICIENCY_EXTRACTS = (params, model_size_mib, peak_memory_mib, seconds_per_layer, *map(phase_per_layer, PRUNE_PHASES),
                        device_name, inference("prefill_tokens_per_s"), inference("decode_tokens_per_s"))
+LLAMA_CPP_SPEED_EXTRACTS = (llama_cpp_inference("prefill_tokens_per_s"), llama_cpp_inference("decode_tokens_per_s"))
 
 
 def _profiles(results: Sequence[StoredResult]) -> list[str]:
