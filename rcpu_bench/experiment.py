@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rcpu_bench import data
+from rcpu_bench import data, experiment_options
 from rcpu_bench.compensation import diagnostics
 from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
 from rcpu_bench.evaluation.generation import text_sample
@@ -29,8 +29,6 @@ from rcpu_bench.model.loading import (
     model_skeleton,
     model_source,
     parameter_count,
-    resolve_device,
-    resolve_dtype,
 )
 from rcpu_bench.model.persistence import save_pruned
 from rcpu_bench.paths import check_new_dir, default_model
@@ -65,10 +63,10 @@ class Experiment:
         ``here=False`` (the experiment runs elsewhere, on a Ray worker) checks the device's name, not that it exists.
         """
         self.prune.validate(registry)
-        resolve_dtype(self.dtype)
-        (check_device if here else resolve_device)(self.device)
-        if self.eval_batch_size < 1:
-            raise ValueError(f"eval_batch_size={self.eval_batch_size} is not allowed; allowed: an integer >= 1")
+        for name in ("dtype", "device", "eval_batch_size"):
+            experiment_options.BY_NAME[name].check(getattr(self, name))
+        if here:
+            check_device(self.device)
         config, commit = load_config(self.model, self.revision,
                                      prune=() if self.prune.model_method else self.prune.prune,
                                      trust_remote_code=self.trust_remote_code)

@@ -52,7 +52,7 @@ def test_allocation_al_am_is_stored_as_structure_al_am_with_the_same_cell_id():
     by_allocation, by_structure = PruneConfig(allocation="al-am"), PruneConfig(structure="al-am")
     assert by_allocation == by_structure and by_allocation.allocation == "uniform"
     old = {k: v for k, v in by_structure.to_dict().items() if k not in ("allocation", "allocation_params")}
-    cell = {"model": "m", "ratio": 0.2, "n_calib": 8, "seqlen": 128, "calib": "c", "lam": None, "revision": None,
+    cell = {"model": "m", "n_calib": 8, "seqlen": 128, "calib": "c", "revision": None,
             "ppl_profiles": [], "eval": ["ppl"], "dtype": "float32"}
     assert cell_id({**cell, "prune": by_allocation.to_dict()}) == cell_id({**cell, "prune": old})
     with pytest.raises(ValueError, match="structure='al-am' is itself the allocation"):

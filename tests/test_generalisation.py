@@ -72,8 +72,8 @@ def test_holdout_count_must_match_the_windows_given():
 
 
 def test_cell_ids_do_not_change_unless_holdout_is_set():
-    cell = Cell(matrix="m", model="x", model_label="x", revision=None, method="rcpu-rot", method_label="R", ratio=0.2,
-                n_calib=8, seqlen=32, calib="tinystories:8x32:seed=0", lam=None, prune=PruneConfig().to_dict(),
+    cell = Cell(matrix="m", model="x", model_label="x", revision=None, method="rcpu-rot", method_label="R", n_calib=8,
+                seqlen=32, calib="tinystories:8x32:seed=0", prune=PruneConfig(ratio=0.2).to_dict(),
                 ppl_profiles=("rcpu128",), eval=("ppl",), dtype="float32", device="cpu")
     old = replace(cell, prune={k: v for k, v in cell.prune.items() if k != "holdout"})
     assert cell.id == old.id
@@ -155,10 +155,10 @@ def entry(label: str, n_calib: int, lam: float | None, calib_ppl: float, held: f
     layers = [{"layer": 0, "module": m, "calibration_error": held / 2, "holdout_error": held, "degrees_of_freedom": dof}
               for m in ("attention", "mlp")]
     compensator = "ridge" if lam is not None else "procrustes"
-    prune = {**PruneConfig(compensator=compensator, compensator_params={} if lam is None else {"lam": lam}).to_dict(),
-             "holdout": 4}
+    prune = {**PruneConfig(ratio=0.2, compensator=compensator,
+                           compensator_params={} if lam is None else {"lam": lam}).to_dict(), "holdout": 4}
     return StoredResult.from_entry({"cell_id": f"{label}{n_calib}{lam}", "status": "ok",
-            "cell": {"model_label": "m", "method_label": label, "ratio": 0.2, "n_calib": n_calib, "lam": lam,
+            "cell": {"model_label": "m", "method_label": label, "n_calib": n_calib,
                      "model": "m", "calib": f"c:{n_calib}", "prune": prune},
             "record": {"experiment": {"prune": prune}, "calibration_ppl": calib_ppl, "parameters": {"before": 10},
                        "perplexity": [], "timing": {}, "peak_memory_bytes": 0,

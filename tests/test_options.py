@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
+from rcpu_bench import experiment_options
 from rcpu_bench.cli import build_parser
+from rcpu_bench.commands import subcommand_parser
+from rcpu_bench.matrix.entries import MODEL_KEYS, PRUNE_KEYS
+from rcpu_bench.matrix.spec import TOP_KEYS
+from rcpu_bench.options import Option
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.options import MODULES, OPTIONS, PruneConfig
@@ -102,3 +108,68 @@ def test_the_default_pipeline_is_every_recipe_option_but_scorer_and_compensator_
     for config in (PruneConfig(statistics="one-shot"), PruneConfig(structure="al-am"), PruneConfig(rounding="ceil"),
                    PruneConfig(model_method="slicegpt")):
         assert not options.is_default_pipeline(config.to_dict())
+
+
+# ------------------------------------------------------------------- the experiment-level options, declared once
+
+MODEL_COMMANDS = ("prune", "eval", "generate", "speed")
+
+
+def _actions(command: str) -> dict[str, argparse.Action]:
+    return {action.dest: action for action in subcommand_parser(command)._actions}
+
+
+def test_readme_experiment_option_table_is_the_generated_one():
+    text = README.read_text(encoding="utf-8")
+    (table,) = re.findall(r"<!-- experiment-options:[^\n]*-->\n(.*?)\n<!-- /experiment-options -->", text, flags=re.S)
+    assert table == experiment_options.markdown_table()
+
+
+@pytest.mark.parametrize("name", experiment_options.MODEL)
+def test_every_command_that_loads_a_model_takes_the_option_with_one_default_and_help(name):
+    option = experiment_options.BY_NAME[name]
+    for command in MODEL_COMMANDS:
+        action = _actions(command)[name]
+        assert (action.option_strings, action.default, action.help) == ([option.flag], option.default, option.help)
+
+
+def test_eval_batch_size_has_one_default_and_help_on_every_command_that_evaluates():
+    option = experiment_options.BY_NAME["eval_batch_size"]
+    for command in ("prune", "eval", "speed"):
+        action = _actions(command)["eval_batch_size"]
+        assert (action.option_strings, action.default, action.help) == (["--eval-batch-size"], 8, option.help)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("dtype", "int8", "unknown dtype 'int8'; allowed: float32, float64, bfloat16, float16"),
+    ("dtype", "", "dtype='' is not allowed; allowed: a non-empty string"),
+    ("device", "gpu", "unknown device 'gpu'; allowed: cpu, cuda"),
+    ("eval_batch_size", 0, "eval_batch_size=0 is not allowed; allowed: an integer >= 1"),
+    ("zeroshot_limit", 2.5, "zeroshot_limit=2.5 is not allowed; allowed: an integer >= 1"),
+    ("revision", 3, "revision=3 is not allowed; allowed: a non-empty string"),
+])
+def test_a_bad_experiment_option_names_the_value_and_what_is_allowed(name, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        experiment_options.BY_NAME[name].check(value)
+
+
+@pytest.mark.parametrize("name, value", [("dtype", "bfloat16"), ("device", "cuda:1"), ("eval_batch_size", 1),
+                                         ("zeroshot_limit", None), ("revision", None), ("revision", "main")])
+def test_a_good_experiment_option_passes(name, value):
+    experiment_options.BY_NAME[name].check(value)
+
+
+def test_the_matrix_schema_is_options_and_its_option_keys_are_the_declarations():
+    keys = {key.name: key for key in TOP_KEYS}
+    assert all(isinstance(key, Option) for key in (*TOP_KEYS, *PRUNE_KEYS, *MODEL_KEYS))
+    for name in ("dtype", "device", "eval_batch_size", "zeroshot_limit"):
+        assert keys[name] is experiment_options.BY_NAME[name]
+    assert {key.name for key in TOP_KEYS if key.kind == "structure"} == {
+        "name", "models", "methods", "ratios", "calib", "lambdas", "eval", "ppl_profiles", "include_dense", "prune",
+        "ablation"}
+    assert [key.name for key in PRUNE_KEYS] == [o.name for o in OPTIONS if o.name != "ratio"]
+    for key in PRUNE_KEYS:  # the declaration, read into the field's type first
+        option = options.BY_NAME[key.name]
+        assert (key.kind, key.help, key.default, key.choices) == (option.kind, option.help, option.default,
+                                                                  option.choices)
+    assert MODEL_KEYS[-1] is experiment_options.BY_NAME["revision"]

@@ -128,7 +128,7 @@ def test_phase_two_runs_zero_shot_only_at_the_argmin_of_the_calibration_perplexi
     assert (summary.ok, summary.failed, summary.best_ok, summary.best_failed) == (4, 0, 1, 0)
     entries = Store(tmp_path).entries()
     assert [e["cell_id"] for e in entries[:4]] == [c.id for c in cells]  # the matrix's ids, unchanged
-    grid = [e for e in entries[:4] if e["cell"]["lam"] is not None]
+    grid = [e for e in entries[:4] if "lam" in e["cell"]["prune"]["compensator_params"]]
     assert [e.get("phase") for e in entries[:4]] == ["ppl", "ppl", "ppl", None]
     assert all("zeroshot" not in e["record"] for e in grid)
     assert "zeroshot" in entries[3]["record"] and entries[3]["cell"]["method"] == "rcpu-rot"

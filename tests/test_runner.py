@@ -53,7 +53,8 @@ def test_a_run_stores_a_complete_entry_per_cell_and_a_rerun_skips_them(tmp_path)
     assert [e["cell"]["method"] for e in entries] == ["original", "wanda-sp", "rcpu-rot"]
     for entry in entries:
         assert entry["status"] == "ok" and entry["error"] is None and entry["seconds"] > 0
-        assert entry["record"]["experiment"]["prune"]["ratio"] == entry["cell"]["ratio"]
+        assert entry["record"]["experiment"]["prune"]["ratio"] == entry["cell"]["prune"]["ratio"]
+        assert "ratio" not in entry["cell"] and "lam" not in entry["cell"]  # stored once, in prune
         assert entry["record"]["perplexity"][0]["profile"] == "tinystories[900:920]"
     removed = [e["record"]["parameters"]["removed_fraction"] for e in entries]
     assert removed[0] == 0 < removed[1] == removed[2]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -10,8 +12,9 @@ from hypothesis import strategies as st
 from test_tables import entry as table_entry
 from tiny_matrices import tiny_matrix
 
+from rcpu_bench.matrix.cells import cell_id
 from rcpu_bench.matrix.phases import phase1_entries
-from rcpu_bench.matrix.spec import expand
+from rcpu_bench.matrix.spec import expand, load_matrix
 from rcpu_bench.matrix.store import (
     FAILED,
     OK,
@@ -27,8 +30,8 @@ from rcpu_bench.plugins import default_registry
 from rcpu_bench.records import Record
 
 ENTRY_KEYS = {"cell_id", "status", "error", "cell", "record", "finished_at", "seconds"}
-CELL_KEYS = {"matrix", "model", "model_label", "method", "method_label", "ratio", "n_calib", "seqlen", "calib", "lam",
-             "prune", "ppl_profiles", "eval"}
+CELL_KEYS = {"matrix", "model", "model_label", "method", "method_label", "n_calib", "seqlen", "calib", "prune",
+             "ppl_profiles", "eval"}
 
 
 def entry(cell_id: str, status: str = OK) -> dict:
@@ -156,3 +159,54 @@ def test_newest_entries_is_each_cells_last_entry_in_order_of_last_writes(pairs):
     expected = [entries[i] for i in sorted(last.values())]
     assert list(newest_entries(entries).values()) == expected
     assert list(newest_entries(entries)) == [e["cell_id"] for e in expected]
+
+
+# ------------------------------------------------------------------------- ρ and λ stored once, in prune
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+COMMITTED = sorted(RESULTS.glob("*/records.jsonl"))
+
+
+def test_a_new_cell_stores_ratio_and_lambda_once_in_prune_with_the_id_of_the_old_duplicated_form():
+    cells = expand(tiny_matrix(["rcpu-rot", "ls-best"]), default_registry())
+    ridge = next(cell for cell in cells if cell.lam is not None)
+    for cell in cells:
+        stored = cell.to_dict()
+        assert "ratio" not in stored and "lam" not in stored
+        assert (cell.ratio, cell.lam) == (stored["prune"]["ratio"], stored["prune"]["compensator_params"].get("lam"))
+        old = {**stored, "ratio": cell.ratio, "lam": cell.lam}  # as stores written before kept them
+        assert cell_id(stored) == cell_id(old) == cell.id
+    assert ridge.lam == ridge.prune["compensator_params"]["lam"]
+
+
+@pytest.mark.parametrize("store", COMMITTED, ids=lambda path: path.parent.name)
+def test_every_committed_store_reads_and_its_ids_recompute_equal(store):
+    lines = [json.loads(line) for line in store.read_text(encoding="utf-8").splitlines()]
+    assert lines
+    for line in lines:  # the stored id was computed when the entry was written, from the duplicated form
+        assert cell_id(line["cell"]) == line["cell_id"]
+        once = {k: v for k, v in line["cell"].items() if k not in ("ratio", "lam")}
+        assert cell_id(once) == line["cell_id"]
+    results = read_results(store.parent).results
+    assert results and all(r.ratio == r.cell["prune"]["ratio"] for r in results)
+
+
+@pytest.mark.parametrize("name", ["leaderboard", "zeroshot"])
+def test_a_committed_matrix_has_nothing_new_to_run_against_its_store(name):
+    cells = expand(load_matrix(str(RESULTS / name / "matrix.yaml")), default_registry())
+    assert {cell.id for cell in cells} <= Store(RESULTS / name).finished()
+
+
+@pytest.mark.parametrize("field, value, path", [("ratio", 0.3, "prune.ratio 0.1"),
+                                                ("lam", 5.0, "prune.compensator_params.lam 1.0")])
+def test_an_old_cell_whose_copy_disagrees_with_prune_is_refused_naming_the_line(tmp_path, field, value, path):
+    agreeing = table_entry("ls-best", 0.1, 14.0, lam=1.0)
+    old = {**agreeing["cell"], "ratio": 0.1, "lam": 1.0}
+    broken = {**agreeing, "cell": {**old, field: value}}
+    lines = [json.dumps({**agreeing, "cell": old}), json.dumps(broken)]
+    (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"records.jsonl:2: entry {broken['cell_id']}: stored cell .*: {field} "
+                                         rf"{value} disagrees with {re.escape(path)}"):
+        read_results(tmp_path)
+    with pytest.raises(ValueError, match=f"{field} {value} disagrees"):
+        cell_id(broken["cell"])

@@ -47,9 +47,9 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
     if lam is not None:
         config["compensator_params"] = {"lam": lam}
     cell = {"matrix": matrix, "model": f"/models/{model}", "model_label": model, "revision": None,
-            "method": method if alias else "custom", "method_label": label or alias.label, "ratio": ratio,
-            "n_calib": n_calib, "seqlen": seqlen, "calib": f"wikitext2:{n_calib}x{seqlen}", "lam": lam,
-            "prune": config, "ppl_profiles": ["rcpu128"], "eval": ["ppl"] + (["zeroshot"] if zeroshot else []),
+            "method": method if alias else "custom", "method_label": label or alias.label,
+            "n_calib": n_calib, "seqlen": seqlen, "calib": f"wikitext2:{n_calib}x{seqlen}", "prune": config,
+            "ppl_profiles": ["rcpu128"], "eval": ["ppl"] + (["zeroshot"] if zeroshot else []),
             "dtype": "float32", "device": "cuda"}
     layers = [{"layer": i, "statistics": prune_seconds / n_layers / 2, "solve": prune_seconds / n_layers / 2}
               for i in range(n_layers)]
@@ -184,7 +184,7 @@ def ridge_grid(holdout: dict[float, float] | None) -> list[dict[str, Any]]:
     grid_ = {1e-2: (15.0, 9.0), 1.0: (14.0, 10.0), 100.0: (16.0, 11.0)}  # λ → (test ppl, calibration ppl)
     entries = [entry("ls-best", 0.1, ppl, lam=lam, calibration_ppl=calib) for lam, (ppl, calib) in grid_.items()]
     for e in entries if holdout else ():
-        e["record"]["generalisation"] = {"holdout_error_mean": holdout[e["cell"]["lam"]]}
+        e["record"]["generalisation"] = {"holdout_error_mean": holdout[e["cell"]["prune"]["compensator_params"]["lam"]]}
     return entries
 
 
@@ -195,7 +195,7 @@ def test_lambda_rules_choose_their_argmin_and_the_title_says_which(rule, expecte
     score = {"paper": lambda e: e["record"]["calibration_ppl"],
              "holdout": lambda e: e["record"]["generalisation"]["holdout_error_mean"]}[rule]
     best = min(entries, key=score)  # the rule's λ, by hand
-    assert best["cell"]["lam"] == expected_lam
+    assert best["cell"]["prune"]["compensator_params"]["lam"] == expected_lam
     (table,) = tables_of(entries, "ppl", lambda_rule=rule)
     assert grid(table) == [("Prop.Score+LS (lambda_best)", 0.1, best["record"]["perplexity"][0]["ppl"], expected_lam)]
     assert table.title.endswith({"paper": "lambda_best: lowest calibration perplexity, the paper's rule",

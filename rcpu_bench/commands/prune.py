@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 from functools import partial
 
+from rcpu_bench import experiment_options
 from rcpu_bench.commands import command, export
-from rcpu_bench.commands.shared import add_eval_batch_size_option
 from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, run_experiment
-from rcpu_bench.model.loading import add_model_options
 from rcpu_bench.paths import check_output_file, default_model
 from rcpu_bench.pruning import options
 from rcpu_bench.records import Record, append_record
@@ -21,14 +20,14 @@ DEFAULT_PPL = "rcpu128"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local model directory or Hugging Face hub id "
                    "(default: the stories260K-mha fixture in the shared directory)")
-    add_model_options(p)
+    experiment_options.add_arguments(p, experiment_options.MODEL)
     options.add_arguments(p)
     p.add_argument("--calib", default=DEFAULT_CALIB,
                    help="calibration data SOURCE[:NxSEQLEN][:seed=S]; sources wikitext2, tinystories, file:PATH")
     p.add_argument("--ppl", action="append", default=None, metavar="PROFILE",
                    help="perplexity profile(s): rcpu128, std2048, tinystories, tinystories[START:STOP] "
                         f"(default: {DEFAULT_PPL})")
-    add_eval_batch_size_option(p, "sequences per perplexity forward pass")
+    experiment_options.add_arguments(p, ["eval_batch_size"])
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--save", metavar="DIR", help="save the pruned model (safetensors + shape manifest)")
     p.add_argument("--out", metavar="JSONL", help="append the result record to this file")

@@ -9,17 +9,17 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from rcpu_bench import console
+from rcpu_bench import console, experiment_options
 from rcpu_bench.commands import command
-from rcpu_bench.commands.shared import add_eval_batch_size_option, check_models
+from rcpu_bench.commands.shared import check_models
 from rcpu_bench.evaluation.speed import NEW_TOKENS, PROMPT_TOKENS, REPEATS, inference_speed
 from rcpu_bench.evaluation.speed_llama_cpp import GGUF_DTYPE
 from rcpu_bench.export.gguf import DTYPES, check_dtype
-from rcpu_bench.model.loading import LoadedModel, add_model_options, parameter_count
+from rcpu_bench.model.loading import LoadedModel, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
+from rcpu_bench.options import positive_int
 from rcpu_bench.paths import default_model
 from rcpu_bench.plugins import default_registry
-from rcpu_bench.pruning.options import positive_int
 
 ENGINES = ("transformers", "llama.cpp")
 
@@ -35,12 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "runs")
     p.add_argument("--threads", type=positive_int, help="llama.cpp threads (default: torch's intra-op threads, the "
                    "number transformers runs on)")
-    add_eval_batch_size_option(p, "sequences per timed forward pass (the records' inference figures are measured at "
-                               "1: --eval-batch-size 1 compares with them)")
+    experiment_options.add_arguments(p, ["eval_batch_size"])
     p.add_argument("--prompt-tokens", type=positive_int, default=PROMPT_TOKENS)
     p.add_argument("--new-tokens", type=positive_int, default=NEW_TOKENS)
     p.add_argument("--repeats", type=positive_int, default=REPEATS)
-    add_model_options(p)
+    experiment_options.add_arguments(p, experiment_options.MODEL)
     console.add_quiet_option(p)
 
 

@@ -4,6 +4,11 @@ Roles: ``run`` fields define what a run computes (two stored cells with equal ru
 experiment, whatever they were asked to evaluate: :data:`RUN_FIELDS`, :func:`run_of`); ``request`` fields
 say what is evaluated; ``label`` fields only name things; ``execution`` fields say where and how it runs,
 which does not change the result. A cell id hashes the run and request fields (:attr:`Cell.id`).
+
+The ratio ρ and the ridge λ are stored once, inside ``prune`` (``prune.ratio``, ``prune.compensator_params.lam``):
+:attr:`Cell.ratio` and :attr:`Cell.lam` are derived (:data:`DERIVED`), and the id hashes them as the top-level
+``ratio`` and ``lam`` that stores written before kept beside ``prune`` (so ids are unchanged). Such an old
+stored cell reads when its copies agree with ``prune`` (:func:`stored_cell`).
 """
 
 from __future__ import annotations
@@ -55,11 +60,9 @@ class Cell:
     revision: str | None = _role("run")
     method: str = _role("label")  # the recipe key, or "custom"
     method_label: str = _role("label")  # rcpu_bench.pruning.methods.method_label of the final configuration
-    ratio: float = _role("run")
     n_calib: int = _role("run")
     seqlen: int = _role("run")
     calib: str = _role("run")
-    lam: float | None = _role("run")
     prune: dict[str, Any] = _role("run")
     ppl_profiles: tuple[str, ...] = _role("request")
     eval: tuple[str, ...] = _role("request")
@@ -67,6 +70,15 @@ class Cell:
     device: str = _role("execution")
     eval_batch_size: int = _role("execution", default=EVAL_BATCH_SIZE)
     zeroshot_limit: int | None = _role("run", unset=None, default=None)
+
+    @property
+    def ratio(self) -> float:
+        return derived(self.prune, "ratio")
+
+    @property
+    def lam(self) -> float | None:
+        """The ridge λ of the compensator, None for a method without one."""
+        return derived(self.prune, "lam")
 
     def to_dict(self) -> dict[str, Any]:
         """The cell as JSON data (tuples as lists), as the store records it."""
@@ -99,7 +111,20 @@ class Cell:
         return f"{self.model_label} | {self.method_name()} | ρ={self.ratio:g} N={self.n_calib}{lam}"
 
 
-ROLES: dict[str, Role] = {f.name: f.metadata["role"] for f in fields(Cell)}
+# The cell values stored once, inside ``prune`` (name: dotted path in ``prune``); each is a run field hashed
+# under its own name.
+DERIVED: dict[str, str] = {"ratio": "ratio", "lam": "compensator_params.lam"}
+
+
+def derived(prune: Mapping[str, Any], name: str) -> Any:
+    """The value of the derived cell field ``name`` (:data:`DERIVED`) in a cell's ``prune``; None when unset."""
+    *outer, last = DERIVED[name].split(".")
+    for key in outer:
+        prune = prune[key]
+    return prune.get(last)
+
+
+ROLES: dict[str, Role] = {**{f.name: f.metadata["role"] for f in fields(Cell)}, **dict.fromkeys(DERIVED, "run")}
 RUN_FIELDS: tuple[str, ...] = tuple(name for name, role in ROLES.items() if role == "run")
 HASHED: tuple[str, ...] = tuple(name for name, role in ROLES.items() if role in ("run", "request"))
 NOT_HASHED: tuple[str, ...] = tuple(name for name in ROLES if name not in HASHED)
@@ -115,10 +140,24 @@ def _drop_unset(config: Mapping[str, Any], unset: Mapping[str, Any]) -> dict[str
     return {k: v for k, v in config.items() if not (k in unset and v == unset[k])}
 
 
+def stored_cell(cell: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored cell (JSON data) with ρ and λ once, in ``prune``: the top-level copies that older stores kept are
+    dropped when they agree with ``prune``, a ValueError naming both values when they do not."""
+    kept = {k: v for k, v in cell.items() if k not in DERIVED}
+    for name, path in DERIVED.items():
+        if name in cell and cell[name] != derived(cell["prune"], name):
+            raise ValueError(f"stored cell {cell.get('model_label')!r} {cell.get('method_label')!r}: {name} "
+                             f"{cell[name]!r} disagrees with prune.{path} {derived(cell['prune'], name)!r}")
+    return kept
+
+
 def cell_id(cell: Mapping[str, Any]) -> str:
-    """The id of a cell given as its stored JSON data: sha256 of the canonical JSON of its hashed fields, with
-    the fields (and options) added after cells were stored left out while they hold their unset value."""
-    config = _drop_unset({k: v for k, v in cell.items() if k in HASHED}, HASHED_WHEN_SET)
+    """The id of a cell given as its stored JSON data (old or new, :func:`stored_cell`): sha256 of the canonical
+    JSON of its hashed fields, the derived ρ and λ among them, with the fields (and options) added after cells
+    were stored left out while they hold their unset value."""
+    cell = stored_cell(cell)
+    hashed = {**cell, **{name: derived(cell["prune"], name) for name in DERIVED}}
+    config = _drop_unset({k: v for k, v in hashed.items() if k in HASHED}, HASHED_WHEN_SET)
     config["prune"] = _drop_unset(config["prune"], options.HASHED_WHEN_SET)
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

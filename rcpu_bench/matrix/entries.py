@@ -12,22 +12,25 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
-from rcpu_bench import data
+from rcpu_bench import data, experiment_options
 from rcpu_bench.experiment import DEFAULT_CALIB
 from rcpu_bench.matrix.cells import SHARED, portable
 from rcpu_bench.matrix.schema import (
     REQUIRED,
-    Key,
     MatrixError,
+    Reader,
     checked,
     error_message,
     integer,
     items,
     listed,
+    matrix_key,
+    option_key,
     optional,
     read_keys,
     text,
 )
+from rcpu_bench.options import Option
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.registry import Registry
@@ -47,10 +50,10 @@ class ModelSpec:
     revision: str | None = None
 
 
-MODEL_KEYS = (Key("model", lambda where, value: portable(text(where, value)),
-                  f"a local directory or a hub id; {SHARED} is the shared fixtures directory"),
-              Key("label", text, "the name the tables show (default: the last part of the path)", None),
-              Key("revision", optional(text), "the hub revision, pinned and recorded", None))
+MODEL_KEYS = (matrix_key("model", lambda where, value: portable(text(where, value)),
+                         f"a local directory or a hub id; {SHARED} is the shared fixtures directory"),
+              matrix_key("label", text, "the name the tables show (default: the last part of the path)", None),
+              option_key(experiment_options.BY_NAME["revision"]))
 
 
 def read_model(where: str, entry: Any) -> ModelSpec:
@@ -63,16 +66,12 @@ def read_model(where: str, entry: Any) -> ModelSpec:
 # ----------------------------------------------------------------------------------------------- methods
 
 
-def read_option(where: str, name: str, value: Any) -> Any:
-    """An option's value from YAML (lists of modules as tuples), checked against its declaration."""
-    try:
-        return options.coerce(name, value)
-    except ValueError as error:
-        raise MatrixError(f"{where}: {error}") from None
+def _typed(option: Option) -> Reader:
+    """A reader of a YAML value into the option's field type (lists of modules as tuples); the option checks it."""
+    return lambda where, value: options.as_field_type(option, value)
 
 
-PRUNE_KEYS = tuple(Key(o.name, lambda where, value, name=o.name: read_option(where, name, value), o.help, o.default)
-                   for o in options.OPTIONS if o.name != "ratio")
+PRUNE_KEYS = tuple(option_key(o, _typed(o)) for o in options.OPTIONS if o.name != "ratio")
 
 
 def read_prune(where: str, mapping: Any) -> dict[str, Any]:
@@ -156,13 +155,13 @@ def _names(where: str, value: Any) -> tuple[str, ...] | str:
     return value if value == ALL else tuple(text(f"{where}[{i}]", name) for i, name in enumerate(items(where, value)))
 
 
-CUSTOM_KEYS = (Key("name", text, "the label of the method's cells"),
+CUSTOM_KEYS = (matrix_key("name", text, "the label of the method's cells"),
                *(replace(key, default=REQUIRED if key.name in ("scorer", "compensator") else key.default)
                  for key in PRUNE_KEYS))
-PRODUCT_KEYS = (Key("scorers", _names, f"registered scorers or selectors, or {ALL}"),
-                Key("compensators", _names, f"registered compensators, or {ALL}"),
-                Key("allocations", optional(_names), f"registered allocations or al-am, or {ALL} (default: the "
-                    "matrix's allocation)", None))
+PRODUCT_KEYS = (matrix_key("scorers", _names, f"registered scorers or selectors, or {ALL}"),
+                matrix_key("compensators", _names, f"registered compensators, or {ALL}"),
+                matrix_key("allocations", optional(_names), f"registered allocations or al-am, or {ALL} (default: the "
+                           "matrix's allocation)", None))
 
 
 def read_method(where: str, entry: Any) -> MethodEntry:
@@ -216,11 +215,11 @@ class CalibGrid:
 
 
 _DEFAULT = data.parse_calib(DEFAULT_CALIB)
-CALIB_KEYS = (Key("source", text, "wikitext2, tinystories, tinystories[A:B] or file:PATH", _DEFAULT.source),
-              Key("n_calib", listed(integer(1)), "calibration sequences; a list runs each size",
-                  (_DEFAULT.n_samples,)),
-              Key("seqlen", integer(1), "tokens per calibration sequence", _DEFAULT.seqlen),
-              Key("seed", integer(0), "the sampling seed", _DEFAULT.seed))
+CALIB_KEYS = (matrix_key("source", text, "wikitext2, tinystories, tinystories[A:B] or file:PATH", _DEFAULT.source),
+              matrix_key("n_calib", listed(integer(1)), "calibration sequences; a list runs each size",
+                         (_DEFAULT.n_samples,)),
+              matrix_key("seqlen", integer(1), "tokens per calibration sequence", _DEFAULT.seqlen),
+              matrix_key("seed", integer(0), "the sampling seed", _DEFAULT.seed))
 
 
 def read_calib(where: str, value: Any) -> CalibGrid:

@@ -29,7 +29,7 @@ DEFAULT_LAMBDA_RULE = "paper"
 # What is not the experiment: the fields the cell id leaves out, and what a cell was asked to evaluate (a run
 # that also evaluated zero-shot is the same experiment as one that evaluated perplexity only).
 NOT_EXPERIMENT = (*NOT_HASHED, "ppl_profiles", "eval")
-_LAMBDA_FIELDS = ("lam", "prune.compensator_params.lam")
+_LAMBDA_FIELDS = ("prune.compensator_params.lam",)
 
 
 @dataclass(frozen=True)

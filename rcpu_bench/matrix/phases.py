@@ -43,7 +43,7 @@ LAMBDA_RULE = "paper"  # lowest perplexity on the calibration windows
 
 def lambda_group(cell: Cell) -> str:
     """The cell's λ group: its configuration without the matrix name and the ridge λ, as canonical JSON."""
-    config = {k: v for k, v in cell.to_dict().items() if k not in ("matrix", "lam")}
+    config = {k: v for k, v in cell.to_dict().items() if k != "matrix"}
     config["prune"] = {**config["prune"],
                        "compensator_params": {k: v for k, v in config["prune"]["compensator_params"].items()
                                               if k != "lam"}}

@@ -1,16 +1,21 @@
-"""The matrix schema as data: a :class:`Key` per allowed key (reader, default, help), and the readers.
+"""The matrix schema as data: each allowed key an :class:`rcpu_bench.options.Option`, and the readers.
 
-A reader takes ``(where, value)`` (``where`` is the dotted location, e.g. ``calib.seqlen``) and returns the
-value parsed, or raises :class:`MatrixError` naming the location, the bad value and what is allowed.
-:func:`read_keys` reads a whole mapping against its declared keys; :func:`markdown_table` renders the
-declaration for the README.
+The keys that are declared options (:mod:`rcpu_bench.pruning.options`, :mod:`rcpu_bench.experiment_options`)
+are those options (:func:`option_key`): their help, default and check come from the declaration. The matrix's
+structural keys (``models``, ``methods``, ``calib``, ...) are options of kind ``structure`` with a reader each
+(:func:`matrix_key`). A reader takes ``(where, value)`` (``where`` is the dotted location, e.g.
+``calib.seqlen``) and returns the value parsed, or raises :class:`MatrixError` naming the location, the bad
+value and what is allowed. :func:`read_keys` reads a whole mapping against its keys; :func:`markdown_table`
+renders them for the README.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
+
+from rcpu_bench.options import Option
 
 Reader = Callable[[str, Any], Any]
 REQUIRED = object()  # the default of a key that must be given
@@ -25,23 +30,34 @@ def error_message(error: Exception) -> str:
     return error.args[0] if isinstance(error, KeyError) and error.args else str(error)
 
 
-@dataclass(frozen=True)
-class Key:
-    """An allowed key of a matrix mapping: its reader, its default (:data:`REQUIRED` when it must be given;
-    a default is used as it stands, not read), what it means, and the default as the README shows it."""
-
-    name: str
-    read: Reader
-    help: str
-    default: Any = REQUIRED
-    shown: str | None = None
-
-    @property
-    def required(self) -> bool:
-        return self.default is REQUIRED
+def matrix_key(name: str, read: Reader, help: str, default: Any = REQUIRED, shown: str | None = None) -> Option:
+    """A structural key of a matrix mapping: its reader, what it means, its default (:data:`REQUIRED` when it must be
+    given; a default is used as it stands, not read) and the default as the README shows it."""
+    return Option(name, "structure", default, help, read=read, shown=shown)
 
 
-def read_keys(where: str, mapping: Any, keys: Sequence[Key]) -> dict[str, Any]:
+def option_key(option: Option, read: Reader | None = None) -> Option:
+    """The key of a declared option: its help and default, values checked by the option after ``read`` (a reader
+    that parses the YAML value first, e.g. into the option's type); errors name the location."""
+    return option if read is None else replace(option, read=read)
+
+
+def required(key: Option) -> bool:
+    return key.default is REQUIRED
+
+
+def read_value(key: Option, where: str, value: Any) -> Any:
+    """A YAML value of ``key`` at ``where``: read by its reader, then checked by the option unless a structure."""
+    value = value if key.read is None else key.read(where, value)
+    if key.kind != "structure":
+        try:
+            key.check(value)
+        except ValueError as error:
+            raise MatrixError(f"{where}: {error}") from None
+    return value
+
+
+def read_keys(where: str, mapping: Any, keys: Sequence[Option]) -> dict[str, Any]:
     """``mapping`` read against ``keys``: unknown keys refused, required ones demanded, defaults filled in.
 
     ``where`` locates the mapping in messages ("" for the matrix itself, whose keys are named bare)."""
@@ -55,20 +71,20 @@ def read_keys(where: str, mapping: Any, keys: Sequence[Key]) -> dict[str, Any]:
     out = {}
     for key in keys:
         if key.name in mapping:
-            out[key.name] = key.read(f"{where_}.{key.name}" if where_ else key.name, mapping[key.name])
-        elif key.required:
-            required = ", ".join(k.name for k in keys if k.required)
-            raise MatrixError(f"{where}: missing key {key.name!r} (required: {required})")
+            out[key.name] = read_value(key, f"{where_}.{key.name}" if where_ else key.name, mapping[key.name])
+        elif required(key):
+            names = ", ".join(k.name for k in keys if required(k))
+            raise MatrixError(f"{where}: missing key {key.name!r} (required: {names})")
         else:
             out[key.name] = key.default
     return out
 
 
-def markdown_table(keys: Sequence[Key]) -> str:
-    """A Markdown table of declared keys: name, meaning, default."""
+def markdown_table(keys: Sequence[Option]) -> str:
+    """A Markdown table of matrix keys: name, meaning, default."""
     rows = ["| key | meaning | default |", "|---|---|---|"]
     for key in keys:
-        default = "required" if key.required else key.shown or f"`{_yaml(key.default)}`"
+        default = "required" if required(key) else key.shown or f"`{_yaml(key.default)}`"
         rows.append(f"| `{key.name}` | {key.help} | {default} |")
     return "\n".join(rows)
 

@@ -51,6 +51,7 @@ from typing import Any
 
 import yaml
 
+from rcpu_bench import experiment_options
 from rcpu_bench.compensation.compensators import LAMBDA_GRID
 from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
 from rcpu_bench.matrix.cells import SHARED, Cell
@@ -68,21 +69,20 @@ from rcpu_bench.matrix.entries import (
     resolve,
 )
 from rcpu_bench.matrix.schema import (
-    Key,
     MatrixError,
     checked,
     choice,
     error_message,
     flag,
-    integer,
     listed,
     markdown_table,
+    matrix_key,
     number,
-    optional,
+    option_key,
     read_keys,
     text,
 )
-from rcpu_bench.model.loading import DEFAULT_DEVICE, DEFAULT_DTYPE, resolve_device, resolve_dtype
+from rcpu_bench.model.loading import DEFAULT_DEVICE, DEFAULT_DTYPE
 from rcpu_bench.pruning.methods import CUSTOM, RECIPES, method_label, recipe_of
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.registry import Registry
@@ -119,29 +119,27 @@ def _matrix_name(where: str, value: Any) -> str:
     return name
 
 
-ABLATION_KEYS = (Key("compensate", listed(choice(COMPENSATE_VARIANTS)), "the modules compensated, one variant each: "
-                     + ", ".join(COMPENSATE_VARIANTS), ()),)
+ABLATION_KEYS = (matrix_key("compensate", listed(choice(COMPENSATE_VARIANTS)),
+                            "the modules compensated, one variant each: " + ", ".join(COMPENSATE_VARIANTS), ()),)
 TOP_KEYS = (
-    Key("name", _matrix_name, "results go to results/<name> by default (no path separators, no ..)", None,
+    matrix_key("name", _matrix_name, "results go to results/<name> by default (no path separators, no ..)", None,
         "the file's stem"),
-    Key("models", listed(read_model), f"local directories or hub ids ({SHARED}: the shared fixtures), or "
+    matrix_key("models", listed(read_model), f"local directories or hub ids ({SHARED}: the shared fixtures), or "
         "mappings {model, label, revision}"),
-    Key("methods", listed(read_method), "recipe keys, custom methods {name, ...options} or products "
+    matrix_key("methods", listed(read_method), "recipe keys, custom methods {name, ...options} or products "
         "{scorers, compensators}"),
-    Key("ratios", listed(_ratio), "pruning ratios in (0, 1)"),
-    Key("calib", read_calib, "calibration: {source, n_calib, seqlen, seed}", read_calib("calib", {}),
+    matrix_key("ratios", listed(_ratio), "pruning ratios in (0, 1)"),
+    matrix_key("calib", read_calib, "calibration: {source, n_calib, seqlen, seed}", read_calib("calib", {}),
         "see below"),
-    Key("lambdas", listed(_lambda), "the λ grid of λ-grid methods", LAMBDA_GRID),
-    Key("eval", listed(choice(EVALS)), "what to evaluate: ppl, zeroshot (lm-eval), speed-llama-cpp (llama.cpp "
-        "tokens/s of a temporary GGUF export, CPU, batch 1)", ("ppl",)),
-    Key("ppl_profiles", listed(checked(perplexity.get_profile)), "perplexity profiles", ("rcpu128",)),
-    Key("include_dense", flag, "add one dense (original) cell per model", False),
-    Key("dtype", checked(resolve_dtype), "the model's dtype", DEFAULT_DTYPE),
-    Key("device", checked(resolve_device), "cpu, cuda or cuda:N (does not enter cell ids)", DEFAULT_DEVICE),
-    Key("eval_batch_size", integer(1), "sequences per perplexity batch (does not change results)", EVAL_BATCH_SIZE),
-    Key("zeroshot_limit", optional(integer(1)), "examples per zero-shot task, for quick runs (null: all)", None),
-    Key("prune", read_prune, "options for every method (a method's own options win)", {}),
-    Key("ablation", lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
+    matrix_key("lambdas", listed(_lambda), "the λ grid of λ-grid methods", LAMBDA_GRID),
+    matrix_key("eval", listed(choice(EVALS)), "what to evaluate: ppl, zeroshot (lm-eval), speed-llama-cpp (llama.cpp "
+               "tokens/s of a temporary GGUF export, CPU, batch 1)", ("ppl",)),
+    matrix_key("ppl_profiles", listed(checked(perplexity.get_profile)), "perplexity profiles", ("rcpu128",)),
+    matrix_key("include_dense", flag, "add one dense (original) cell per model", False),
+    *(option_key(experiment_options.BY_NAME[name]) for name in ("dtype", "device", "eval_batch_size",
+                                                                 "zeroshot_limit")),
+    matrix_key("prune", read_prune, "options for every method (a method's own options win)", {}),
+    matrix_key("ablation", lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
         "{compensate: [...]}: multiply the methods by the modules compensated", (), "none"),
 )
 
@@ -307,9 +305,9 @@ def _cell(matrix: Matrix, model: ModelSpec, spec: MethodSpec, ratio: float, n_ca
     recipe = recipe_of(prune)
     return Cell(matrix=matrix.name, model=model.model, model_label=model.label, revision=model.revision,
                 method=recipe.key if recipe and spec.name is None else CUSTOM,
-                method_label=method_label(prune, spec.name), ratio=ratio, n_calib=n_calib,
+                method_label=method_label(prune, spec.name), n_calib=n_calib,
                 seqlen=matrix.calib.seqlen, calib=matrix.calib.spec(n_calib),
-                lam=prune["compensator_params"].get("lam"), prune=prune,
+                prune=prune,
                 ppl_profiles=matrix.ppl_profiles if "ppl" in matrix.eval else (), eval=matrix.eval,
                 dtype=matrix.dtype, device=matrix.device, eval_batch_size=matrix.eval_batch_size,
                 zeroshot_limit=matrix.zeroshot_limit if "zeroshot" in matrix.eval else None)

@@ -13,12 +13,15 @@ An entry (read by the tables; keep the format)::
 
     {"cell_id": "<16 hex>", "status": "ok" | "failed",
      "error": null | {"type", "message", "traceback"},
-     "cell": {"matrix", "model", "model_label", "method", "method_label", "ratio", "n_calib", "seqlen",
-              "calib", "lam", "prune", "ppl_profiles", "eval", "revision", "dtype", "device"},
+     "cell": {"matrix", "model", "model_label", "method", "method_label", "n_calib", "seqlen", "calib",
+              "prune", "ppl_profiles", "eval", "revision", "dtype", "device", "eval_batch_size", "zeroshot_limit"},
      "record": <run_experiment's Record, as JSON> | null, "finished_at": ISO time, "seconds": float,
      "fingerprint": {"model", "calibration"} (ok entries; rcpu_bench.matrix.fingerprints)}
 
-A cell may have several entries (a failure, then a retry); the newest one counts.
+The ratio and λ of a cell are in its ``prune`` (``prune.ratio``, ``prune.compensator_params.lam``); stores
+written before kept copies of them as ``cell.ratio`` and ``cell.lam``, read when they agree
+(rcpu_bench.matrix.cells.stored_cell). A cell may have several entries (a failure, then a retry); the newest one
+counts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from rcpu_bench.matrix.cells import derived, stored_cell
 from rcpu_bench.records import Record, append_record, read_records
 
 T = TypeVar("T")
@@ -146,8 +150,10 @@ class StoredResult:
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> StoredResult:
-        """The result of a finished store entry (see the module docstring for the entry's format)."""
-        return cls(entry["cell_id"], entry["cell"], Record.from_json(entry["record"]), entry.get("seconds", 0.0))
+        """The result of a finished store entry (see the module docstring for the entry's format); an old cell's
+        copies of ρ and λ are checked against its ``prune`` and dropped (a ValueError when they disagree)."""
+        return cls(entry["cell_id"], stored_cell(entry["cell"]), Record.from_json(entry["record"]),
+                   entry.get("seconds", 0.0))
 
     @property
     def model_label(self) -> str:
@@ -155,7 +161,7 @@ class StoredResult:
 
     @property
     def ratio(self) -> float:
-        return self.cell["ratio"]
+        return derived(self.cell["prune"], "ratio")
 
     @property
     def n_calib(self) -> int:
@@ -164,7 +170,7 @@ class StoredResult:
     @property
     def lam(self) -> float | None:
         """The ridge λ of the cell, None for a method without a λ grid."""
-        return self.cell.get("lam")
+        return derived(self.cell["prune"], "lam")
 
     @property
     def prune(self) -> dict[str, Any]:
@@ -186,7 +192,7 @@ class StoredResults:
 
 
 # The fields every reader of a finished entry relies on.
-REQUIRED = {"cell": ("model_label", "method_label", "ratio", "n_calib"),
+REQUIRED = {"cell": ("model_label", "method_label", "n_calib", "prune"),
             "record": Record.required()}
 
 
@@ -204,16 +210,19 @@ def read_results(results_dir: str | Path, *, missing_ok: bool = False) -> Stored
     numbered = _numbered_entries(read_records(path), path)  # a line that is not JSON: a ValueError naming it
     newest = newest_entries(numbered, cell_id=lambda entry: entry[1]["cell_id"])
     ok = [(number, line) for number, line in newest.values() if line.get("status") == OK]
-    for number, line in ok:
-        _check_entry(line, f"{path}:{number}")
-    return StoredResults(tuple(StoredResult.from_entry(line) for _, line in ok), len(newest) - len(ok))
+    return StoredResults(tuple(_result(line, f"{path}:{number}") for number, line in ok), len(newest) - len(ok))
 
 
-def _check_entry(entry: dict[str, Any], where: str) -> None:
+def _result(entry: dict[str, Any], where: str) -> StoredResult:
+    """The result of a finished entry; a ValueError naming ``where`` and the entry when it cannot be read."""
     for part, keys in REQUIRED.items():
         missing = [key for key in keys if key not in (entry.get(part) or {})]
         if missing:
             raise ValueError(f"{where}: entry {entry.get('cell_id')} has no {part} field {', '.join(missing)}")
+    try:
+        return StoredResult.from_entry(entry)
+    except ValueError as error:
+        raise ValueError(f"{where}: entry {entry.get('cell_id')}: {error}") from None
 
 
 def _numbered_entries(lines: list[Any], path: Path) -> list[tuple[int, dict[str, Any]]]:

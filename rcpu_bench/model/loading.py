@@ -56,18 +56,6 @@ def dtype_argument(dtype: torch.dtype) -> dict[str, torch.dtype]:
     return {"dtype" if renamed else "torch_dtype": dtype}
 
 
-def add_model_options(parser: Any) -> None:
-    """The ``--revision``, ``--dtype``, ``--device`` and ``--trust-remote-code`` options every command that loads a
-    model takes."""
-    parser.add_argument("--revision", help="hub revision (branch, tag or commit) to pin")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run Python code shipped with the model (transformers' trust_remote_code); without it "
-                             "such a model is refused with an error, never prompted for")
-    parser.add_argument("--dtype", default=DEFAULT_DTYPE,
-                        help=f"model dtype: {', '.join(DTYPES)} (the paper uses float32)")
-    parser.add_argument("--device", default=DEFAULT_DEVICE, help="cpu, cuda, cuda:N")
-
-
 def resolve_dtype(name: str) -> torch.dtype:
     """The torch dtype called ``name`` (one of ``DTYPES``)."""
     if name not in DTYPES:

@@ -1,8 +1,9 @@
 """The options of a pruning run, each declared once (:data:`OPTIONS`), and what is derived from the declaration.
 
-An :class:`Option` holds a :class:`PruneConfig` field's name, default, kind of value (which fixes how it is
-parsed and checked), allowed choices, help text, whether it enters a cell id always or only when set away
-from its default (options added after results were stored, so that stored ids stay valid) and whether it
+An :class:`rcpu_bench.options.Option` (the mechanism shared with :mod:`rcpu_bench.experiment_options`) holds a
+:class:`PruneConfig` field's name, default, kind of value (which fixes how it is parsed and checked), allowed
+choices, help text, whether it enters a cell id always or only when set away from its default (options added
+after results were stored, so that stored ids stay valid) and whether it
 belongs to a recipe's identity (:func:`rcpu_bench.pruning.methods.recipe_of`: a run is a paper recipe only
 when every such option it does not set keeps its default). From the declaration come the dataclass
 :class:`PruneConfig` (its fields and defaults), :meth:`PruneConfig.validate`, the ``rcpu-bench prune`` flags
@@ -13,12 +14,13 @@ option table (:func:`markdown_table`) and the cell-id rule (:data:`HASHED_WHEN_S
 from __future__ import annotations
 
 import argparse
-import ast
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_type_hints
 
 from rcpu_bench.model.views import MODULES
+from rcpu_bench.options import Kind, Option, add_argument
+from rcpu_bench.options import markdown_table as options_table
 from rcpu_bench.pruning.allocation import AL_AM, UNIFORM
 from rcpu_bench.selection.select import Rounding, n_pruned
 from rcpu_bench.statistics.activations import GramPrecision
@@ -26,71 +28,6 @@ from rcpu_bench.statistics.activations import GramPrecision
 if TYPE_CHECKING:
     from rcpu_bench.model.views import LayerGeometry
     from rcpu_bench.registry import Registry
-
-
-Kind = Literal["name", "params", "ratio", "choice", "modules", "flag", "count", "windows", "multiple"]
-
-
-@dataclass(frozen=True)
-class Option:
-    """One option of a run: a PruneConfig field, the ``--flag`` of ``rcpu-bench prune`` and a matrix ``prune:`` key.
-
-    ``kind``: ``name`` a registered method's name (checked against the registry), ``params`` its keyword
-    parameters (``--x-param K=V``, repeatable), ``ratio`` a number in [0, 1), ``choice`` one of ``choices``,
-    ``modules`` a subset of :data:`MODULES`, ``flag`` a boolean, ``count`` an integer >= 1, ``windows`` an integer >= 0,
-    ``multiple`` an integer >= 0 (0: off).
-    """
-
-    name: str
-    kind: Kind
-    default: Any
-    help: str
-    choices: tuple[str, ...] = ()
-    hashed: Literal["always", "when-set"] = "always"
-    recipe: bool = False
-    cli: str | None = None  # the command-line flag when the field's name would be ambiguous (batch_size)
-
-    @property
-    def flag(self) -> str:
-        """The command-line flag: ``--scorer-param`` for ``scorer_params``, else the name with dashes."""
-        if self.cli is not None:
-            return self.cli
-        return "--" + (self.name.removesuffix("s") if self.kind == "params" else self.name).replace("_", "-")
-
-    @property
-    def allowed(self) -> str:
-        """The allowed values in words, for errors and the README."""
-        return {"name": "a registered name (rcpu-bench plugins)", "params": "a mapping of parameters",
-                "ratio": "a number in [0, 1)", "choice": ", ".join(self.choices),
-                "modules": f"a subset of {', '.join(MODULES)}", "flag": "true, false",
-                "count": "an integer >= 1", "windows": "an integer >= 0",
-                "multiple": "an integer >= 0 (0: off)"}[self.kind]
-
-    def check(self, value: Any) -> None:
-        """Raise ValueError naming the option, the bad value and what is allowed; registry names are not looked up."""
-        if not _valid(self, value):
-            unknown = sorted(set(value) - set(MODULES)) if self.kind == "modules" and isinstance(value, tuple) else []
-            what = f"has unknown module(s) {unknown}" if unknown else "is not allowed"
-            raise ValueError(f"{self.name}={value!r} {what}; allowed: {self.allowed}")
-        if self.kind == "ratio":
-            n_pruned(100, value)
-
-
-def _valid(option: Option, value: Any) -> bool:
-    kind = option.kind
-    if kind == "name":
-        return (value is None and option.default is None) or (isinstance(value, str) and bool(value))
-    if kind == "params":
-        return isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
-    if kind == "ratio":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "choice":
-        return value in option.choices
-    if kind == "modules":
-        return isinstance(value, tuple) and set(value) <= set(MODULES) and len(set(value)) == len(value)
-    if kind == "flag":
-        return isinstance(value, bool)
-    return isinstance(value, int) and not isinstance(value, bool) and value >= (1 if kind == "count" else 0)
 
 
 def option(kind: Kind, default: Any, help: str, *, hashed: Literal["always", "when-set"] = "always",
@@ -251,14 +188,19 @@ def is_default_pipeline(config: Mapping[str, Any]) -> bool:
                for name in RECIPE_OPTIONS if name not in ("scorer", "compensator"))
 
 
+def as_field_type(option: Option, value: Any) -> Any:
+    """A stored or YAML value of ``option`` as the field's type (lists of modules as tuples), not checked."""
+    if option.kind == "modules" and isinstance(value, (list, tuple, str)):
+        return tuple([value] if isinstance(value, str) else value)
+    return value
+
+
 def coerce(name: str, value: Any) -> Any:
-    """A stored or YAML value of option ``name`` as the field's type (lists of modules as tuples), checked."""
+    """A stored or YAML value of option ``name`` as the field's type (:func:`as_field_type`), checked."""
     if name not in BY_NAME:
         raise KeyError(f"unknown option {name!r}; options: {', '.join(BY_NAME)}")
-    option = BY_NAME[name]
-    if option.kind == "modules" and isinstance(value, (list, tuple, str)):
-        value = tuple([value] if isinstance(value, str) else value)
-    option.check(value)
+    value = as_field_type(BY_NAME[name], value)
+    BY_NAME[name].check(value)
     return value
 
 
@@ -270,58 +212,10 @@ def from_dict(mapping: Mapping[str, Any]) -> PruneConfig:
 # ---------------------------------------------------------------------------------------------- command line
 
 
-def parse_param(pair: str) -> tuple[str, Any]:
-    """``key=value``; the value is a Python literal where it parses (1e-3, 'l2', True), else a string."""
-    key, sep, value = pair.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"bad parameter {pair!r}; expected KEY=VALUE")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
-
-
-def parse_modules(text: str) -> tuple[str, ...]:
-    """``attention,mlp``, one of them, or ``none``."""
-    names = tuple(n for n in text.split(",") if n) if text != "none" else ()
-    bad = [n for n in names if n not in MODULES]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown module(s) {bad}; allowed: {', '.join(MODULES)} or none")
-    return names
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (batch sizes, token and repeat counts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: an integer >= 1")
-    return value
-
-
-def _metavar(option: Option) -> str | None:
-    metavars = {"name": "NAME", "params": "KEY=VALUE", "ratio": "RHO", "modules": "MODULES", "count": "N",
-                "windows": "N", "multiple": "N"}
-    return metavars.get(option.kind)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per option (:attr:`Option.flag`); parameters are repeatable ``KEY=VALUE`` pairs."""
     for option in OPTIONS:
-        kwargs: dict[str, Any] = {"dest": option.name, "help": option.help}
-        if option.kind == "flag":
-            kwargs["action"] = "store_true"
-        elif option.kind == "params":
-            kwargs.update(action="append", default=[], type=parse_param, metavar="KEY=VALUE")
-        else:
-            default = ",".join(option.default) if option.kind == "modules" else option.default  # parsed by argparse
-            kinds = {"ratio": float, "count": positive_int, "windows": int, "multiple": int, "modules": parse_modules}
-            kwargs.update(default=default, metavar=_metavar(option), type=kinds.get(option.kind, str))
-            if option.kind == "choice":
-                kwargs.update(choices=option.choices, metavar=None)
-        parser.add_argument(option.flag, **kwargs)
+        add_argument(parser, option)
 
 
 def from_args(args: argparse.Namespace) -> PruneConfig:
@@ -334,17 +228,6 @@ def from_args(args: argparse.Namespace) -> PruneConfig:
 # ------------------------------------------------------------------------------------------------ README
 
 
-def _shown(value: Any) -> str:
-    if isinstance(value, tuple):
-        return ",".join(value) or "none"
-    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def markdown_table() -> str:
     """The README's table of ``rcpu-bench prune``'s run options, one row per option."""
-    rows = ["| option | meaning | default |", "|---|---|---|"]
-    for option in OPTIONS:
-        value = "" if option.kind == "flag" else f" {_metavar(option) or '|'.join(option.choices)}"
-        default = "" if option.kind in ("params", "flag") else f"`{_shown(option.default)}`"
-        rows.append(f"| `{option.flag}{value.replace('|', chr(92) + '|')}` | {option.help} | {default} |")
-    return "\n".join(rows)
+    return options_table(OPTIONS)

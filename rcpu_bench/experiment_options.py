@@ -1,0 +1,43 @@
+"""The experiment-level options (model revision, dtype, device, evaluation batch size, ...), each declared once as an
+:class:`rcpu_bench.options.Option`, the mechanism of the pruning options.
+
+From the declaration come the flags of the commands that take them (:func:`add_arguments`: one default and one help
+everywhere), the matrix keys and their checks (:func:`rcpu_bench.matrix.schema.option_key`) and the README's
+table (:func:`markdown_table`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+
+from rcpu_bench.evaluation import EVAL_BATCH_SIZE
+from rcpu_bench.model.loading import DEFAULT_DEVICE, DEFAULT_DTYPE, DTYPES, resolve_device, resolve_dtype
+from rcpu_bench.options import Option, add_argument
+from rcpu_bench.options import markdown_table as options_table
+
+OPTIONS: tuple[Option, ...] = (
+    Option("revision", "text", None, "hub revision (branch, tag or commit) to pin; recorded"),
+    Option("trust_remote_code", "flag", False, "run Python code shipped with the model (transformers' "
+           "trust_remote_code); without it such a model is refused with an error, never prompted for"),
+    Option("dtype", "text", DEFAULT_DTYPE, f"the model's dtype: {', '.join(DTYPES)} (the paper uses float32)",
+           library_check=resolve_dtype),
+    Option("device", "text", DEFAULT_DEVICE, "cpu, cuda or cuda:N (does not change results, nor enter cell ids)",
+           library_check=resolve_device),
+    Option("eval_batch_size", "count", EVAL_BATCH_SIZE, "sequences per evaluation forward pass: perplexity, lm-eval, "
+           "timing (does not change perplexity or accuracy; speed's recorded figures are measured at 1)"),
+    Option("zeroshot_limit", "count", None, "examples per zero-shot task, for quick runs (null: all)"),
+)
+BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
+MODEL = ("revision", "trust_remote_code", "dtype", "device")  # what every command that loads a model takes
+
+
+def add_arguments(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """The flags of the options ``names``; counts are parsed as integers and checked where they are used."""
+    for name in names:
+        add_argument(parser, BY_NAME[name], checked_later=True)
+
+
+def markdown_table() -> str:
+    """The README's table of the experiment-level options as command-line flags."""
+    return options_table(option for option in OPTIONS if option.name != "zeroshot_limit")

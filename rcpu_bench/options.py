@@ -1,0 +1,177 @@
+"""The one mechanism by which options are declared: an :class:`Option` (kind, default, choices, help, cell-id rule)
+and what every declaration derives from it: the check of a value, the ``--flag`` of a command, the README row.
+
+Three declarations use it: the pruning options (:mod:`rcpu_bench.pruning.options`, :class:`PruneConfig`'s
+fields), the experiment-level options (:mod:`rcpu_bench.experiment_options`: dtype, device, batch size, ...) and
+the matrix schema (:mod:`rcpu_bench.matrix.schema`), whose keys are these options plus its structural keys
+(``models``, ``methods``, ``calib``, ...: kind ``structure``, each with its own reader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rcpu_bench.model.views import MODULES
+from rcpu_bench.selection.select import n_pruned
+
+Kind = Literal["name", "text", "params", "ratio", "choice", "modules", "flag", "count", "windows", "multiple",
+               "structure"]
+ALLOWED: dict[str, str] = {"name": "a registered name (rcpu-bench plugins)", "text": "a non-empty string",
+                           "params": "a mapping of parameters", "ratio": "a number in [0, 1)",
+                           "modules": f"a subset of {', '.join(MODULES)}", "flag": "true, false",
+                           "count": "an integer >= 1", "windows": "an integer >= 0",
+                           "multiple": "an integer >= 0 (0: off)", "structure": "what its reader reads"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One declared option: a field of a run, its ``--flag`` and its key in a matrix.
+
+    ``kind``: ``name`` a registered method's name (checked against the registry elsewhere), ``text`` a non-empty
+    string, ``params`` keyword parameters (``--x-param K=V``, repeatable), ``ratio`` a number in [0, 1),
+    ``choice`` one of ``choices``, ``modules`` a subset of :data:`MODULES`, ``flag`` a boolean, ``count`` an
+    integer >= 1, ``windows`` an integer >= 0, ``multiple`` an integer >= 0 (0: off), ``structure`` a matrix
+    value that ``read`` parses and checks. An option whose default is None also takes None (unset).
+    ``library_check`` (a dtype's or device's name): a function that raises a ValueError naming the bad value and
+    what is allowed. ``read(where, value)`` parses a matrix's YAML value (``where``: its location), raising an
+    error that names the location; ``shown``: the default as the README writes it, when not the value itself.
+    """
+
+    name: str
+    kind: Kind
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    hashed: Literal["always", "when-set"] = "always"
+    recipe: bool = False
+    cli: str | None = None  # the command-line flag when the field's name would be ambiguous (batch_size)
+    library_check: Callable[[Any], Any] | None = None
+    read: Callable[[str, Any], Any] | None = None
+    shown: str | None = None
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag: ``--scorer-param`` for ``scorer_params``, else the name with dashes."""
+        if self.cli is not None:
+            return self.cli
+        return "--" + (self.name.removesuffix("s") if self.kind == "params" else self.name).replace("_", "-")
+
+    @property
+    def allowed(self) -> str:
+        """The allowed values in words, for errors and the README."""
+        return ", ".join(self.choices) if self.kind == "choice" else ALLOWED[self.kind]
+
+    def check(self, value: Any) -> None:
+        """Raise ValueError naming the option, the bad value and what is allowed (a library check's own error names
+        the value and what it allows); registry names are not looked up."""
+        if value is None and self.default is None:
+            return
+        if not _valid(self, value):
+            unknown = sorted(set(value) - set(MODULES)) if self.kind == "modules" and isinstance(value, tuple) else []
+            what = f"has unknown module(s) {unknown}" if unknown else "is not allowed"
+            raise ValueError(f"{self.name}={value!r} {what}; allowed: {self.allowed}")
+        if self.kind == "ratio":
+            n_pruned(100, value)
+        if self.library_check is not None:
+            self.library_check(value)
+
+
+def _valid(option: Option, value: Any) -> bool:
+    kind = option.kind
+    if kind in ("name", "text"):
+        return isinstance(value, str) and bool(value)
+    if kind == "params":
+        return isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
+    if kind == "ratio":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "choice":
+        return value in option.choices
+    if kind == "modules":
+        return isinstance(value, tuple) and set(value) <= set(MODULES) and len(set(value)) == len(value)
+    if kind == "flag":
+        return isinstance(value, bool)
+    if kind == "structure":
+        return True  # its reader checks it
+    return isinstance(value, int) and not isinstance(value, bool) and value >= (1 if kind == "count" else 0)
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def parse_param(pair: str) -> tuple[str, Any]:
+    """``key=value``; the value is a Python literal where it parses (1e-3, 'l2', True), else a string."""
+    key, sep, value = pair.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"bad parameter {pair!r}; expected KEY=VALUE")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def parse_modules(text: str) -> tuple[str, ...]:
+    """``attention,mlp``, one of them, or ``none``."""
+    names = tuple(n for n in text.split(",") if n) if text != "none" else ()
+    bad = [n for n in names if n not in MODULES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown module(s) {bad}; allowed: {', '.join(MODULES)} or none")
+    return names
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (batch sizes, token and repeat counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: an integer >= 1")
+    return value
+
+
+def metavar(option: Option) -> str | None:
+    metavars = {"name": "NAME", "text": option.name.upper(), "params": "KEY=VALUE", "ratio": "RHO",
+                "modules": "MODULES", "count": "N", "windows": "N", "multiple": "N"}
+    return metavars.get(option.kind)
+
+
+def add_argument(parser: argparse.ArgumentParser, option: Option, *, checked_later: bool = False) -> None:
+    """The option's flag; parameters are repeatable ``KEY=VALUE`` pairs. ``checked_later``: integers parsed as
+    plain ``int`` and left to :meth:`Option.check` (whose message names the option)."""
+    kwargs: dict[str, Any] = {"dest": option.name, "help": option.help}
+    if option.kind == "flag":
+        kwargs["action"] = "store_true"
+    elif option.kind == "params":
+        kwargs.update(action="append", default=[], type=parse_param, metavar="KEY=VALUE")
+    else:
+        default = ",".join(option.default) if option.kind == "modules" else option.default  # parsed by argparse
+        kinds = {"ratio": float, "count": int if checked_later else positive_int, "windows": int, "multiple": int,
+                 "modules": parse_modules}
+        kwargs.update(default=default, metavar=metavar(option), type=kinds.get(option.kind, str))
+        if option.kind == "choice":
+            kwargs.update(choices=option.choices, metavar=None)
+    parser.add_argument(option.flag, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ README
+
+
+def shown(value: Any) -> str:
+    """A default as the README shows it."""
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def markdown_table(options: Iterable[Option]) -> str:
+    """A README table of options as command-line flags, one row per option: flag, meaning, default."""
+    rows = ["| option | meaning | default |", "|---|---|---|"]
+    for option in options:
+        value = "" if option.kind == "flag" else f" {metavar(option) or '|'.join(option.choices)}"
+        default = "" if option.kind in ("params", "flag") else f"`{shown(option.default)}`"
+        rows.append(f"| `{option.flag}{value.replace('|', chr(92) + '|')}` | {option.help} | {default} |")
+    return "\n".join(rows)
