@@ -255,7 +255,9 @@ class PendingTokens:
     """
 
     def __init__(self, stats: ActivationStats):
-        self.stats, self.inputs, self.outputs, self.tokens = stats, [], [], 0
+        self.stats, self.tokens = stats, 0
+        self.inputs: list[Tensor] = []
+        self.outputs: list[Tensor] = []
 
     def add(self, x: Tensor, outputs: Tensor | None) -> None:
         rows = x.detach().reshape(-1, self.stats.d_in)
