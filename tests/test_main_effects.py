@@ -8,7 +8,7 @@ from statistics import fmean
 import pytest
 from test_tables import entry, stored
 
-from rcpu_bench.tables.main_effects import factorial_points, interaction, level_means, write_plots
+from rcpu_bench.tables.main_effects import factorial_points, interaction, level_means, level_order, write_plots
 from rcpu_bench.tables.tables import make_tables
 
 SELECTION = {"wanda-sp": 3.0, "variance": 1.0, "obs": -1.0}
@@ -92,3 +92,10 @@ def test_the_figure_is_drawn_only_for_a_balanced_factorial_store(tmp_path):
     only_uniform = [e for e in design() if e["cell"]["prune"].get("allocation") == "uniform"]
     flap = [run("flap-wifv", "flap-bias", "al-am", 12.0)]  # an al-am run with no uniform counterpart
     assert write_plots(stored(only_uniform + flap), tmp_path / "none", "rcpu128") == []
+
+
+def test_numeric_levels_are_in_numeric_order_and_names_alphabetical():
+    """N_calib 8 comes before 128 (not "128" < "8" as text); names stay alphabetical, after the numbers."""
+    points = {("a", n): float(n) for n in (128, 8, 32)} | {("b", n): float(n) + 1 for n in (128, 8, 32)}
+    assert list(level_means(points, 1)[0]) == [8, 32, 128]
+    assert sorted(["ridge", 128, "none", 8, 0.5], key=level_order) == [0.5, 8, 128, "none", "ridge"]

@@ -63,9 +63,15 @@ def factorial_points(results: Sequence[StoredResult], profile: str,
     return points
 
 
+def level_order(level: Any) -> tuple[int, float, str]:
+    """Sort key of factor levels: numbers by value (N_calib 8 before 128), names alphabetically."""
+    number = isinstance(level, (int, float)) and not isinstance(level, bool)
+    return (0, float(level), "") if number else (1, 0.0, str(level))
+
+
 def level_means(points: dict[Levels, float], factor: int) -> tuple[dict[Any, float], int]:
     """Each level's mean over the balanced groups (the other factors fixed, every level present); their count."""
-    levels = sorted({p[factor] for p in points}, key=str)
+    levels = sorted({p[factor] for p in points}, key=level_order)
     groups: dict[Levels, dict[Any, float]] = defaultdict(dict)
     for p, value in points.items():
         groups[p[:factor] + p[factor + 1:]][p[factor]] = value
@@ -78,7 +84,7 @@ def level_means(points: dict[Levels, float], factor: int) -> tuple[dict[Any, flo
 def two_way_means(points: dict[Levels, float], a: int, b: int) -> dict[tuple[Any, Any], float] | None:
     """Mean of each (level of a, level of b) over the groups (the other factors fixed) that have every pair; None
     when no group is complete or a factor has one level."""
-    pairs = sorted({(p[a], p[b]) for p in points}, key=str)
+    pairs = sorted({(p[a], p[b]) for p in points}, key=lambda pair: tuple(map(level_order, pair)))
     levels_a, levels_b = {x for x, _ in pairs}, {y for _, y in pairs}
     if len(levels_a) < 2 or len(levels_b) < 2 or len(pairs) < len(levels_a) * len(levels_b):
         return None
