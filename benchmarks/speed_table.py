@@ -79,16 +79,20 @@ QUICK = Setting("tinystories:8x64", "tinystories[0:4]", 16, 4, 1, 0.125, 2)
 
 @dataclass(frozen=True)
 class Variant:
+    key: str  # as --variants-1b names it
     name: str
     options: tuple[str, ...]  # rcpu-bench prune options
 
 
+VARIANT_KEYS = ("dense", "uniform", "round-to", "al-am")
+
+
 def variants(round_to: int) -> tuple[Variant, ...]:
     """Dense, uniform 20 %, uniform 20 % with kept widths rounded to a multiple of ``round_to``, AL-AM 20 %."""
-    return (Variant("dense", ("--ratio", "0")),
-            Variant("uniform 20%", ("--ratio", "0.2")),
-            Variant(f"uniform 20% round-to {round_to}", ("--ratio", "0.2", "--round-to", str(round_to))),
-            Variant("AL-AM 20%", ("--ratio", "0.2", "--structure", "al-am")))
+    return (Variant("dense", "dense", ("--ratio", "0")),
+            Variant("uniform", "uniform 20%", ("--ratio", "0.2")),
+            Variant("round-to", f"uniform 20% round-to {round_to}", ("--ratio", "0.2", "--round-to", str(round_to))),
+            Variant("al-am", "AL-AM 20%", ("--ratio", "0.2", "--structure", "al-am")))
 
 
 def run(command: list[str]) -> None:
@@ -220,9 +224,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="writes OUT.json and OUT.md")
     parser.add_argument("--work", type=Path, help="directory for the models (default: a temporary one, deleted); "
                         "finished prunes there are reused")
+    parser.add_argument("--variants-1b", default=",".join(VARIANT_KEYS), metavar="KEYS",
+                        help=f"the 1B shape's variants, comma-separated among {', '.join(VARIANT_KEYS)} (default: all)")
     parser.add_argument("--prune-only", action="store_true", help="prune the variants into --work and stop (the "
                         "pruning need not run on an idle machine; the timing run reuses them)")
     args = parser.parse_args(argv)
+    args.variants_1b = tuple(key.strip() for key in args.variants_1b.split(","))
+    unknown = sorted(set(args.variants_1b) - set(VARIANT_KEYS))
+    if unknown or not args.variants_1b:
+        parser.error(f"--variants-1b {','.join(args.variants_1b)}: unknown {unknown}; "
+                     f"allowed: {', '.join(VARIANT_KEYS)}")
     if args.prune_only and args.work is None:
         parser.error("--prune-only needs --work DIR (where the timing run finds the pruned models)")
     if args.threads < 1:
@@ -239,12 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rcpu-speed-table-") as scratch:
         work = args.work or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
-        models = (("stories260K-mha", stories, 8),
+        models = (("stories260K-mha", stories, 8, VARIANT_KEYS),
                   ("random Llama-3.2-1B shape" + (" (quick: 1/8 width, 2 layers)" if args.quick else ""),
-                   random_llama(work, setting), 64))
+                   random_llama(work, setting), 64, args.variants_1b))
         rows = []
-        for label, model, round_to in models:
+        for label, model, round_to, keys in models:
             for index, variant in enumerate(variants(round_to)):
+                if variant.key not in keys:
+                    continue
                 saved = work / f"{model.name}-{index}"
                 record = prune(model, variant, setting, saved)
                 if args.prune_only:
