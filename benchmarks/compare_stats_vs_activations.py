@@ -55,6 +55,7 @@ from transformers import LlamaForCausalLM
 from rcpu_bench.model import capture_layer_inputs, decoder_layers, layer_view, run_layer
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, Timer, prune_module
+from rcpu_bench.records import cpu_model, harness_commit
 from rcpu_bench.selection.select import Selection
 from rcpu_bench.statistics.activations import GRAM_PRECISIONS, collect_input_stats
 from rcpu_bench.statistics.flops import cheapest_statistics, expected_kept
@@ -481,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = {"shape": args.shape, "scale": args.scale, "device": args.device, "threads": args.threads,
                     "dtype": args.dtype,
                     "ratio": RATIO, "lambda": LAMBDA, "seqlen": SEQLEN, "batch_windows": BATCH_WINDOWS,
-                    "torch": torch.__version__}
+                    "torch": torch.__version__, "command": " ".join(["python", *sys.argv]), "cpu": cpu_model(),
+                    "cuda": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+                    **harness_commit()}
         args.out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2, default=str))
     failed = [r for r in rows
               if "agreement" in r["part"] and not (r["same_selection"] and r["max_rel_diff"] <= TOLERANCE)]

@@ -15,9 +15,11 @@ Solvers (``solver=``):
 * ``svd``: an accurate float64 SVD (LAPACK on the CPU, ``gesvd`` on CUDA: the default CUDA driver
   loses orthogonality), with the same null-space completion.
 * ``auto`` (default): the cheapest solver of the device and size that passes the checks
-  (:func:`auto_solver`): on the CPU the ``svd`` below n = ``CPU_SVD_BELOW`` (LAPACK's float64 SVD costs
-  less than eigh of MᵀM plus the products of the polish, refinement and checks: about 0.65× at
-  n = 1024) and ``eigh`` from there (at n = 4096 on 2 threads: 12.9–16.1 s against 18.4 s); on CUDA
+  (:func:`auto_solver`): on the CPU the ``svd`` below n = ``CPU_SVD_BELOW`` and ``eigh`` from there. The
+  crossover depends on the CPU: eigh of MᵀM plus the products of the polish, refinement and checks cost
+  1.5× LAPACK's float64 SVD at n = 1024 on a 2-core Zen 3, but 0.81–1.00× at 1024, 0.78–0.95× at 2048 and
+  0.74–0.85× at 4096 (13.1–14.7 s against 17.4–17.8 s) on an idle 2-thread Xeon (full-rank and
+  o_proj-like rank-13n/16 M). 2048 is past the Xeon's crossover; the Zen 3 was measured at 1024 only. On CUDA
   ``eigh`` (0.11 s against 1.6–5.3 s for the SVD at 4096², float64, on an H200). ``eigh`` falls back to
   the ``svd`` when a check fails, recorded as ``eigh+svd-fallback`` with the reason.
   ``info["solver"]`` records which ran. A float32 SVD is not
