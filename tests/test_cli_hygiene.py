@@ -144,7 +144,7 @@ def test_ctrl_c_in_a_command_is_one_line_and_130(monkeypatch, capsys):
 
 
 SIGINT_DURING_EVALUATION = """
-import signal, sys
+import signal, sys, time
 from rcpu_bench import cli
 from rcpu_bench.evaluation import perplexity
 
@@ -152,6 +152,8 @@ def interrupt(*args, **kwargs):  # a real SIGINT, as Ctrl-C sends, once pruning 
     # raise_signal delivers it to this (the main) thread, where Python runs its handler before returning;
     # os.kill could land in a torch worker thread and a following signal.pause() then waited for ever.
     signal.raise_signal(signal.SIGINT)
+    for _ in range(600):  # the handler runs in the main thread at its next check: wait for it, boundedly
+        time.sleep(0.05)
     raise AssertionError("SIGINT did not interrupt the command")
 
 perplexity.sequence_nll = interrupt
