@@ -87,6 +87,7 @@ class RunSpec:
     threads: int
     save: str
     dtype: str = "float64"  # our compensator's compute dtype
+    rerun: bool = True  # re-run the pruned layer (part of "forward", not of the compared total)
 
 
 def build_layer(spec: RunSpec) -> tuple[nn.Module, list]:
@@ -276,8 +277,9 @@ def worker(spec: RunSpec) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     timer = Timer(device)
     results = (run_ours if spec.path == "ours" else run_official)(layer, inputs, spec, timer)
-    with timer("forward rerun"):
-        run_layer(layer, inputs)
+    if spec.rerun:
+        with timer("forward rerun"):
+            run_layer(layer, inputs)
     peak = (torch.cuda.max_memory_allocated(device) - held) / 2**20 if device.type == "cuda" else current_rss_peak_mib()
     torch.save(results, spec.save)
     return {"seconds": timer.seconds, "peak_mib": peak}
@@ -299,8 +301,9 @@ def split_seconds(seconds: dict[str, float]) -> dict[str, float]:
              for name in MODULES.values() for part in ("statistics", "score", "solve")}
     hooks = sum(seconds.get(f"{name} {kind}", 0.0) for name in MODULES.values()
                 for kind in ("statistics", "float64 check"))
-    parts["forward"] = seconds["pass"] - hooks + seconds["forward rerun"]
-    parts["total"] = sum(parts.values())
+    parts["compared"] = sum(parts.values())  # statistics + score + solve of both modules: issue 19's total
+    parts["forward"] = seconds["pass"] - hooks + seconds.get("forward rerun", 0.0)
+    parts["total"] = parts["compared"] + parts["forward"]
     return parts
 
 
@@ -353,25 +356,32 @@ def refuse_oversized(args: argparse.Namespace) -> str | None:
 
 def compare(tokens: int, compensator: str, args: argparse.Namespace, base: RunSpec, baseline_mib: float,
             workdir: Path) -> list[dict[str, Any]]:
-    """Run every path for one case; return table rows (one per time part, peak memory, agreement)."""
+    """Run every path for one case, ``--repeats`` times in turn; return table rows (one per time part, peak
+    memory, agreement). Each time part is the minimum over the repeats (a shared machine only adds time),
+    peak memory the maximum; every repeat's figures are kept under ``repeats``."""
     variants = [("official", "mixed")] + [("ours", precision) for precision in args.gram_precision]
-    reports, results = {}, {}
-    for path, precision in variants:
-        label = path if path == "official" else f"ours[{precision}]"
-        spec = replace(base, path=path, tokens=tokens, compensator=compensator, gram_precision=precision,
-                       gram_error=args.gram_error and path == "ours" and precision == "mixed",
-                       save=str(workdir / f"{label}.pt"))
-        report = spawn(spec)
-        net = report["peak_mib"] - baseline_mib
-        reports[label] = split_seconds(report["seconds"]) | {"peak net MiB": net}
-        results[label] = torch.load(spec.save)
-        print(f"N={tokens:<7} {compensator:<10} {label:<14} " + "  ".join(
-            f"{k} {v:.2f}" for k, v in reports[label].items()), flush=True)
+    runs: dict[str, list[dict[str, float]]] = {}
+    results = {}
+    for repeat in range(args.repeats):
+        for path, precision in variants:
+            label = path if path == "official" else f"ours[{precision}]"
+            spec = replace(base, path=path, tokens=tokens, compensator=compensator, gram_precision=precision,
+                           gram_error=args.gram_error and path == "ours" and precision == "mixed",
+                           save=str(workdir / f"{label}.pt"), rerun=not args.no_rerun)
+            report = spawn(spec)
+            run = split_seconds(report["seconds"]) | {"peak net MiB": report["peak_mib"] - baseline_mib}
+            runs.setdefault(label, []).append(run)
+            results[label] = torch.load(spec.save)
+            print(f"N={tokens:<7} {compensator:<10} {label:<14} run {repeat + 1}/{args.repeats} " + "  ".join(
+                f"{k} {v:.2f}" for k, v in run.items()), flush=True)
+    reports = {label: {part: (max if part == "peak net MiB" else min)(run[part] for run in label_runs)
+                       for part in label_runs[0]} for label, label_runs in runs.items()}
     rows = []
     for part in reports["official"]:
         row: dict[str, Any] = {"tokens": tokens, "compensator": compensator, "part": part}
         for label, report in reports.items():
             row[label] = report[part]
+            row[f"{label} repeats"] = [run[part] for run in runs[label]]
         for label in reports:
             if label != "official":
                 row[f"{label}/official"] = report_ratio(reports[label][part], reports["official"][part])
@@ -395,27 +405,26 @@ def issue_table(rows: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
     """Issue 19's table per (N, compensator): each module's statistics + score + solve, their total without
     the layer forward, and the peak memory, official replay against ``label`` (e.g. ours[mixed]), with ratios."""
     table = []
+    sides = ("official", label)
     cases = dict.fromkeys((r["tokens"], r["compensator"]) for r in rows if "agreement" not in r["part"])
     for tokens, compensator in cases:
         parts = {r["part"]: r for r in rows if (r["tokens"], r["compensator"]) == (tokens, compensator)}
-        totals = {"official": 0.0, label: 0.0}
         for name in MODULES.values():
             times = {side: [parts[f"{name} {part}"][side] for part in ("statistics", "score", "solve")]
-                     for side in totals}
+                     for side in sides}
             chosen = parts[f"{name} agreement"]
             table.append({"N": tokens, "compensator": compensator,
                           "part": f"{name} statistics + score + solve",
-                          **{side: " + ".join(f"{t:.2f}" for t in times[side]) for side in totals},
+                          **{side: " + ".join(f"{t:.2f}" for t in times[side]) for side in sides},
                           "ratio": report_ratio(sum(times[label]), sum(times["official"])),
                           "ours: statistics, solver": f"{chosen.get('statistics')}, {chosen.get('solver') or '-'}"})
-            for side in totals:
-                totals[side] += sum(times[side])
+        compared = parts["compared"]  # per run, then the minimum (the parts' minima may come from other runs)
         table.append({"N": tokens, "compensator": compensator, "part": "total without the layer forward",
-                      **{side: f"{totals[side]:.2f}" for side in totals},
-                      "ratio": report_ratio(totals[label], totals["official"])})
+                      **{side: f"{compared[side]:.2f}" for side in sides},
+                      "ratio": report_ratio(compared[label], compared["official"])})
         memory = parts["peak net MiB"]
         table.append({"N": tokens, "compensator": compensator, "part": "peak memory (GiB, net)",
-                      **{side: f"{memory[side] / 1024:.2f}" for side in totals},
+                      **{side: f"{memory[side] / 1024:.2f}" for side in sides},
                       "ratio": report_ratio(memory[label], memory["official"])})
     return table
 
@@ -442,9 +451,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch/OpenMP threads per run")
     parser.add_argument("--max-memory-gib", type=float, help="refuse runs that need more than this")
+    parser.add_argument("--repeats", type=int, default=1, help="run each path this many times, in turn, and take "
+                        "each time part's minimum (peak memory: maximum)")
+    parser.add_argument("--no-rerun", action="store_true", help="skip the pruned layer's re-run (part of the "
+                        "'forward' time, not of the compared total)")
     parser.add_argument("--out", type=Path, help="also write the rows (and settings) as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: must be at least 1")
     bad = [n for n in args.tokens if n <= 0 or n % SEQLEN]
     if bad:
         parser.error(f"--tokens {bad}: each must be a positive multiple of {SEQLEN}")
@@ -473,14 +488,15 @@ def main(argv: list[str] | None = None) -> int:
             baseline = 0.0 if on_cuda else spawn(replace(base, tokens=tokens))["peak_mib"]
             rows += [row for compensator in args.compensator
                      for row in compare(tokens, compensator, args, base, baseline, Path(workdir))]
-    print(tabulate([r for r in rows if "agreement" not in r["part"]], headers="keys", floatfmt=".3g"))
+    print(tabulate([{k: v for k, v in r.items() if not k.endswith(" repeats")} for r in rows
+                    if "agreement" not in r["part"]], headers="keys", floatfmt=".3g"))
     print(tabulate([r for r in rows if "agreement" in r["part"]], headers="keys", floatfmt=".3g"))
     for precision in args.gram_precision:
         print(f"\nIssue 19 table, seconds: official replay against ours[{precision}] (ratio ours/official)")
         print(tabulate(issue_table(rows, f"ours[{precision}]"), headers="keys", floatfmt=".2f"))
     if args.out:
         settings = {"shape": args.shape, "scale": args.scale, "device": args.device, "threads": args.threads,
-                    "dtype": args.dtype,
+                    "dtype": args.dtype, "repeats": args.repeats, "rerun": not args.no_rerun,
                     "ratio": RATIO, "lambda": LAMBDA, "seqlen": SEQLEN, "batch_windows": BATCH_WINDOWS,
                     "torch": torch.__version__, "command": " ".join(["python", *sys.argv]), "cpu": cpu_model(),
                     "cuda": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,

@@ -54,7 +54,7 @@ def reference(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def orth_error(q: torch.Tensor) -> float:
     q = q.to(F64)
-    return float((q.T @ q - torch.eye(q.shape[0], dtype=F64)).norm())
+    return float((q.T @ q - torch.eye(q.shape[1], dtype=F64)).norm())
 
 
 # --- the tolerance --------------------------------------------------------------------------------
@@ -88,6 +88,59 @@ def test_polar_matches_the_svd_reference(n, data, log10_cond, seed, solver):
         assert float((out.q - q_ref).norm()) <= bound
     distance, ref_distance = (float((q - torch.eye(n, dtype=F64)).norm()) for q in (out.q, q_ref))
     assert distance <= ref_distance + bound
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 14), st.data(), st.floats(0, 1), st.integers(0, 10_000))
+def test_eigh_completion_without_a_complete_qr_is_the_references(n, data, log10_cond, seed):
+    """Rank-deficient M through eigh: U⊥ from V⊥ projected off U_r (``_complement``) gives the SVD reference's Q."""
+    rank = data.draw(st.integers(0, n - 1))
+    m, _, _ = make_m(n, rank, log10_cond, seed)
+    q_ref, cross_min = reference(m, rank)
+    out = R.polar(m, "eigh")
+    assert out.info["solver"] == "eigh" and orth_error(out.q) <= R.tolerance(n, F64)
+    if float(cross_min) > 1e-6:
+        sigma_min = 10.0**-log10_cond if rank else 1.0
+        assert float((out.q - q_ref).norm()) <= 100 * n * EPS64 * (1 / sigma_min + 1 / float(cross_min))
+
+
+def make_tall(n: int, k: int, rank: int, log10_cond: float, seed: int) -> torch.Tensor:
+    """B = U_k diag(σ) V (n × k): σ log-spaced from 1 to 10^-log10_cond over ``rank`` values, zero beyond."""
+    g = torch.Generator().manual_seed(seed)
+    u, v = random_orthogonal(n, g)[:, :k], random_orthogonal(k, g)
+    sigma = torch.zeros(k, dtype=F64)
+    sigma[:rank] = torch.logspace(0, -log10_cond, rank, dtype=F64)
+    return (u * sigma) @ v.T
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 14), st.data(), st.floats(0, 6), st.integers(0, 10_000), st.sampled_from(["auto", "eigh", "svd"]))
+def test_polar_columns_is_b_times_inverse_root_of_its_gram(k, data, log10_cond, seed, solver):
+    """Tall B of full column rank: U = B (BᵀB)^{-1/2} = U_B V_Bᵀ of the thin float64 SVD, checked and optimal."""
+    n = data.draw(st.integers(k, 2 * k + 3))
+    b = make_tall(n, k, k, log10_cond, seed)
+    left, sigma, right = torch.linalg.svd(b, full_matrices=False)
+    out = R.polar_columns(b, solver)
+    assert out is not None and out.q.shape == (n, k) and ("det_sign" in out.info) == (n == k)
+    assert orth_error(out.q) <= R.tolerance(n, F64)
+    assert out.trace == pytest.approx(float(sigma.sum()), rel=10 * R.tolerance(n, F64))
+    bound = 100 * n * EPS64 * 10.0**log10_cond
+    assert float((out.q - left @ right).norm()) <= bound
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 12), st.data(), st.integers(0, 10_000), st.sampled_from(["auto", "eigh", "svd"]))
+def test_polar_columns_refuses_a_rank_deficient_b(k, data, seed, solver):
+    """rank B < k: the maximiser is not unique, so no U is chosen here (None, for the caller's square problem)."""
+    n, rank = data.draw(st.integers(k, 2 * k)), data.draw(st.integers(0, k - 1))
+    assert R.polar_columns(make_tall(n, k, rank, 1.0, seed), solver) is None
+
+
+def test_polar_columns_rejects_wide_b_and_the_official_solver():
+    with pytest.raises(ValueError, match=r"tall.*\(2, 3\)"):
+        R.polar_columns(torch.ones(2, 3, dtype=F64))
+    with pytest.raises(ValueError, match="official"):
+        R.polar_columns(torch.ones(3, 2, dtype=F64), "official")
 
 
 @settings(max_examples=25, deadline=None)
@@ -226,6 +279,7 @@ def test_default_path_gives_todays_weights(shape, solver):
     expected = svd_today(w, x, kept) @ w[:, kept]
     for fn in (C.procrustes, C.scaled_procrustes):
         out = fn(w, stats, kept, pruned, solver=solver)
+        assert out.info["span"] == ("kept columns" if len(kept) < w.shape[0] else "outputs")
         want = expected * (out.info["scale"] if fn is C.scaled_procrustes else 1.0)
         assert float((out.weight - want).norm()) <= 1e-10 * float(want.norm())
     zk = w[:, kept] @ x[kept]
@@ -239,9 +293,22 @@ def test_few_tokens_give_the_closest_to_identity_rotation(d_out, d_in, n_tokens,
     w, x, kept, pruned = problem(d_out, d_in, n_tokens, n_drop, seed=d_out + n_tokens)
     m = (w @ x) @ (w[:, kept] @ x[kept]).T
     q_ref, _ = reference(m, n_tokens)
-    out = C.procrustes(w, ActivationStats.from_activations(x.T), kept, pruned)
-    assert out.info["solver"] == "svd"  # auto on the CPU
-    torch.testing.assert_close(out.weight, q_ref @ w[:, kept], rtol=0, atol=1e-9 * float(w.abs().max()))
+    for solver in ("auto", "eigh"):
+        out = C.procrustes(w, ActivationStats.from_activations(x.T), kept, pruned, solver=solver)
+        assert out.info["solver"] == {"auto": "svd", "eigh": "eigh"}[solver]  # auto on the CPU: the SVD
+        torch.testing.assert_close(out.weight, q_ref @ w[:, kept], rtol=0, atol=1e-9 * float(w.abs().max()))
+
+
+@pytest.mark.parametrize("solver", ["auto", "eigh", "svd"])
+def test_rank_deficient_kept_span_solves_the_square_problem(solver):
+    """k < d_out and N ≥ k tokens, but only 5 distinct ones: rank B = 5 < k, so Q W_K depends on the completion;
+    the square M is solved (span 'outputs') and gives the reference's closest-to-identity Q."""
+    w, x, kept, pruned = problem(12, 10, 5, 2, seed=3)
+    x = x.repeat(1, 4)  # N = 20 ≥ k = 8, rank 5
+    m = (w @ x) @ (w[:, kept] @ x[kept]).T
+    out = C.procrustes(w, ActivationStats.from_activations(x.T), kept, pruned, solver=solver)
+    assert out.info["span"] == "outputs"
+    torch.testing.assert_close(out.weight, reference(m, 5)[0] @ w[:, kept], rtol=0, atol=1e-9 * float(w.abs().max()))
 
 
 def test_float32_at_llama_like_rank_deficiency_passes_the_contract():

@@ -5,6 +5,9 @@ columns K, dropped columns D, pruned output Z = W_K X_K. With G = Σ x xᵀ = X 
 
     Y X_Kᵀ = W G[:,K]        M = Y Zᵀ = W G[:,K] W_Kᵀ        ‖Z‖_F² = tr(W_K G_KK W_Kᵀ)
 
+and, since W G[:,K] = W_K G_KK + W_D G_DK, the part of Y X_Kᵀ that pruning loses is R = W_D G_DK
+(d_out·|D|·k flops instead of d_out·d_in·k).
+
 G is a *sum* over the N calibration tokens (not a mean), as in the paper and the official code, so
 the ridge λ has the paper's meaning. Every compensator takes (W, stats, kept, pruned) and returns a
 ``Compensation``: the new kept weight W̃_K (d_out × |K|), an optional bias, and diagnostics.
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rcpu_bench.compensation.rotation import Rotation, polar
+from rcpu_bench.compensation.rotation import Rotation, polar, polar_columns
 from rcpu_bench.statistics.activations import ActivationStats
 
 # The paper's λ grid: 10^-6 … 10^6, 13 values.
@@ -76,9 +79,23 @@ class Problem:
         return self.w @ self.stats.gram[:, self.kept]
 
     @cached_property
+    def dropped_coupling(self) -> Tensor:
+        """R = W_D G_DK (d_out × k): Y X_Kᵀ − W_K G_KK, what the dropped columns contributed to Y X_Kᵀ."""
+        return self.w[:, self.dropped] @ self.stats.require_gram()[self.dropped[:, None], self.kept]
+
+    @cached_property
     def gkk(self) -> Tensor:
         """X_K X_Kᵀ = G_KK."""
+        return self.kept_block()
+
+    def kept_block(self) -> Tensor:
+        """A fresh copy of G_KK (k × k), for a solver to change in place."""
         return self.stats.require_gram()[self.kept[:, None], self.kept]
+
+    @cached_property
+    def gkk_diagonal_mean(self) -> float:
+        """mean diag G_KK = (1/k) Σ_{j∈K} ‖X[j,:]‖²."""
+        return float(self.stats.require_gram().diagonal()[self.kept].mean())
 
     @cached_property
     def y_norm2(self) -> Tensor:
@@ -93,30 +110,29 @@ class Problem:
         return ((self.wk @ self.gkk) * self.wk).sum()
 
     @cached_property
-    def pruned_error(self) -> Tensor:
-        """‖Y − W_K X_K‖_F² = ‖W_D X_D‖_F² = tr(W_D G_DD W_Dᵀ): the uncompensated error, without cancellation."""
+    def dropped_gram(self) -> Tensor:
+        """W_DᵀW_D (|D| × |D|)."""
         w_d = self.w[:, self.dropped]
-        return ((w_d @ self.stats.require_gram()[self.dropped[:, None], self.dropped]) * w_d).sum()
+        return w_d.T @ w_d
 
-    def error(self, new_weight: Tensor, bias: Tensor | None = None, quadratic: Tensor | None = None) -> float:
+    @cached_property
+    def pruned_error(self) -> Tensor:
+        """‖Y − W_K X_K‖_F² = ‖W_D X_D‖_F² = tr(W_D G_DD W_Dᵀ) = ⟨W_DᵀW_D, G_DD⟩: the uncompensated error, without
+        cancellation."""
+        return (self.dropped_gram * self.stats.require_gram()[self.dropped[:, None], self.dropped]).sum()
+
+    def error(self, new_weight: Tensor, bias: Tensor | None = None) -> float:
         """‖Y − W̃_K X_K − b 1ᵀ‖_F² over the calibration tokens, from the statistics alone.
 
         With Δ = W̃_K − W_K, Y − W̃_K X_K = W_D X_D − Δ X_K, so (without cancellation against ‖Y‖²)
 
-            = tr(W_D G_DD W_Dᵀ) − 2⟨Δ, W_D G_DK⟩ + tr(Δ G_KK Δᵀ) − 2 bᵀ(W s − W̃_K s_K) + N‖b‖².
-
-        ``quadratic``, when the compensator knows tr(W̃_K G_KK W̃_Kᵀ) more cheaply, is used in the form
-        ‖Y‖² − 2⟨W̃_K, Y X_Kᵀ⟩ + quadratic instead (d_out·k flops instead of 2·d_out·k²).
+            = tr(W_D G_DD W_Dᵀ) − 2⟨Δ, R⟩ + tr(Δ G_KK Δᵀ) − 2 bᵀ(W s − W̃_K s_K) + N‖b‖²,   R = W_D G_DK.
         """
         if new_weight is self.wk and bias is None:
             return float(self.pruned_error.clamp_min(0))
         w_new = new_weight.detach().to(device=self.stats.device, dtype=torch.float64)
-        if quadratic is not None:
-            err = self.y_norm2 - 2 * (self.yxk * w_new).sum() + quadratic
-        else:
-            delta, w_d = w_new - self.wk, self.w[:, self.dropped]
-            g_dk = self.stats.require_gram()[self.dropped[:, None], self.kept]
-            err = self.pruned_error - 2 * ((w_d @ g_dk) * delta).sum() + ((delta @ self.gkk) * delta).sum()
+        delta = w_new - self.wk
+        err = self.pruned_error - 2 * (self.dropped_coupling * delta).sum() + ((delta @ self.gkk) * delta).sum()
         if bias is not None:
             b, s = bias.detach().to(device=self.stats.device, dtype=torch.float64), self.stats.sum
             err = err - 2 * b @ (self.w @ s - w_new @ s[self.kept]) + self.stats.n * b @ b
@@ -178,12 +194,12 @@ def _require_definite(failed: bool, spectrum: Tensor, lam: float) -> None:
                          "columns?); use a larger lam")
 
 
-def _damping(gkk: Tensor, lam: float, lam_rel: float) -> tuple[float, dict[str, float | None]]:
+def _damping(problem: Problem, lam: float, lam_rel: float) -> tuple[float, dict[str, float | None]]:
     """λ = lam + lam_rel · mean diag G_KK (absolute, and relative on SparseGPT's ``percdamp`` scale), and the record of
     both scales: info["lambda"] = λ, info["lambda_rel"] = λ / mean diag G_KK (None when G_KK's diagonal is 0)."""
     if lam < 0 or lam_rel < 0:
         raise ValueError(f"ridge lam={lam}, lam_rel={lam_rel}; allowed: both >= 0")
-    scale = float(gkk.diagonal().mean())
+    scale = problem.gkk_diagonal_mean
     total = lam + lam_rel * scale
     return total, {"lambda": total, "lambda_rel": total / scale if scale > 0 else None}
 
@@ -193,71 +209,117 @@ def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, 
     """Ridge least squares W* = (Y X_Kᵀ + λ W_K)(X_K X_Kᵀ + λ I)⁻¹ (paper eq. astar), by Cholesky.
 
     Minimises ‖Y − W* X_K‖_F² + λ‖W* − W_K‖_F² (eq. err_A); G is a sum over tokens, so λ is the paper's.
-    In float64 the objective's quadratic term is read off the normal equations, W* G_KK = B − λW* with
-    B = Y X_Kᵀ + λW_K: tr(W* G_KK W*ᵀ) = ⟨B − λW*, W*⟩ (d_out·k flops instead of 2·d_out·k²).
-    λ = lam + lam_rel · mean diag G_KK: ``lam_rel=0.01, lam=0`` is SparseGPT's / SlimGPT's damping.
+    With A = G_KK + λI and Y X_Kᵀ = W_K G_KK + R (R = W_D G_DK), the right-hand side is W_K A + R, so
+
+        W* = W_K + Δ,   Δ = W_D G_DK A⁻¹:
+
+    only the correction is solved for (``ridge_correction``), and ``dtype='float32'`` rounds Δ, added to W_K in
+    float64, rather than W*. In float64 the objective follows from the normal equations, Δ G_KK = R − λΔ:
+    ‖Y − W* X_K‖² = tr(W_D G_DD W_Dᵀ) − ⟨Δ, R⟩ − λ‖Δ‖². λ = lam + lam_rel · mean diag G_KK: ``lam_rel=0.01,
+    lam=0`` is SparseGPT's / SlimGPT's damping.
     """
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
-    lam, damping = _damping(problem.gkk, lam, lam_rel)
-    shifted = problem.gkk.to(compute, copy=True)  # problem.gkk stays unshifted for the objective
+    lam, damping = _damping(problem, lam, lam_rel)
+    shifted = problem.kept_block().to(compute)  # A = G_KK + λI; problem.gkk stays unshifted
     shifted.diagonal().add_(lam)
-    factor, fail = torch.linalg.cholesky_ex(shifted)
+    factor, fail = torch.linalg.cholesky_ex(shifted)  # A = L Lᵀ
+    del shifted
     pivots = factor.diagonal().square()
     _require_definite(bool(fail) or not torch.isfinite(pivots).all(), pivots, lam)
-    # W* A = B with A symmetric  <=>  A W*ᵀ = Bᵀ.
-    rhs = problem.yxk + lam * problem.wk  # B
-    new_weight = torch.cholesky_solve(rhs.to(compute).T, factor).T
+    delta, coupling = ridge_correction(problem, factor)
+    new_weight = problem.wk + delta
     after = None
     if compute == torch.float64:
         def after() -> float:
-            return problem.error(new_weight, quadratic=((rhs - lam * new_weight) * new_weight).sum())
+            return float((problem.pruned_error - coupling() - lam * delta.square().sum()).clamp_min(0))
     return problem.result(new_weight, None, after, **damping)
+
+
+def ridge_correction(problem: Problem, factor: Tensor) -> tuple[Tensor, Callable[[], Tensor]]:
+    """Δ = W_D G_DK A⁻¹ (d_out × k, float64) with A = L Lᵀ, and a function giving ⟨Δ, R⟩ = ‖W_D G_DK L⁻ᵀ‖_F².
+
+    The product is associated the cheaper way: for |D| < d_out, S = G_DK A⁻¹ (two triangular solves with
+    |D| rows) and Δ = W_D S; else R = W_D G_DK first and Δ = R A⁻¹ (d_out rows). Both give T = (·) L⁻ᵀ on
+    the way, and ⟨Δ, R⟩ = ⟨Δ L, Δ L⟩ = ‖W_D T_S‖_F² = ⟨W_DᵀW_D, T_S T_Sᵀ⟩ (an |D| × |D| inner product) or ‖T_R‖_F².
+    L's dtype is the solve's (float32 rounds Δ only).
+    """
+    w_d, g_dk = problem.w[:, problem.dropped], problem.stats.require_gram()[problem.dropped[:, None], problem.kept]
+    if len(problem.dropped) < problem.w.shape[0]:
+        s, t = _solve_right(g_dk, factor)
+        delta = w_d @ s.to(torch.float64)
+        return delta, lambda: (problem.dropped_gram * (t @ t.T).to(torch.float64)).sum()
+    delta, t = _solve_right(w_d @ g_dk, factor)
+    return delta.to(torch.float64), lambda: t.to(torch.float64).square().sum()
+
+
+def _solve_right(b: Tensor, factor: Tensor) -> tuple[Tensor, Tensor]:
+    """X with X L Lᵀ = B, and T = B L⁻ᵀ (X = T L⁻¹): two triangular solves from the right, in L's dtype."""
+    t = torch.linalg.solve_triangular(factor.T, b.to(factor.dtype), upper=True, left=False)
+    return torch.linalg.solve_triangular(factor, t, upper=False, left=False), t
 
 
 def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
                lams: Sequence[float] = LAMBDA_GRID, dtype: str = "float64") -> list[Compensation]:
     """Ridge solutions for a whole λ grid from one eigendecomposition G_KK = V diag(e) Vᵀ.
 
-    W*(λ) = (W G[:,K] V + λ W_K V) diag(1/(e + λ)) Vᵀ: one matmul per λ after the shared eigh.
+    W*(λ) = W_K + R V diag(1/(e + λ)) Vᵀ (see ``ridge``, R = W_D G_DK): one matmul per λ after the shared eigh.
     """
     if not lams or any(lam < 0 for lam in lams):
         raise ValueError(f"ridge lams {list(lams)} must be a non-empty list of values >= 0")
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
     evals, evecs = torch.linalg.eigh(problem.gkk.to(compute))
-    yxk_v, wk_v = problem.yxk.to(compute) @ evecs, problem.wk.to(compute) @ evecs
+    r_v = problem.dropped_coupling.to(compute) @ evecs
     results = []
     for lam in lams:
         denom = evals + lam
         _require_definite(False, denom, lam)
-        results.append(problem.result(((yxk_v + lam * wk_v) / denom) @ evecs.T, **_damping(problem.gkk, lam, 0.0)[1]))
+        delta = ((r_v / denom) @ evecs.T).to(torch.float64)
+        results.append(problem.result(problem.wk + delta, **_damping(problem, lam, 0.0)[1]))
     return results
 
 
-def rotation(problem: Problem, dtype: torch.dtype, solver: str) -> Rotation:
-    """Orthogonal Procrustes Q* = argmax_{QᵀQ=I} tr(QᵀM), M = Y Zᵀ = Y X_Kᵀ W_Kᵀ (paper eq. procrustes_sol).
+def rotate(problem: Problem, dtype: torch.dtype, solver: str) -> tuple[Tensor, Rotation]:
+    """Q* W_K with Q* = argmax_{QᵀQ=I} tr(QᵀM), M = Y Zᵀ = Y X_Kᵀ W_Kᵀ (paper eq. procrustes_sol), and the rotation.
 
-    M is formed from Y X_Kᵀ (C[:,K] or W G[:,K]) and W_K: in float32 for ``dtype='float32'`` (as the official
-    code forms Y Aᵀ), else in float64 (float32 products here moved a ratio-0 model's logits by 1.5e-5);
-    ``rcpu_bench.compensation.rotation.polar`` documents
-    the solvers and the choice of Q when M is rank-deficient.
-    Q may be a reflection (det −1), as in the paper. Only ``solver='official'`` takes ``dtype='float32'``
-    alone: it reproduces the official float32 numerics.
+    For fewer kept columns than outputs (k < d_out, e.g. pruned heads) the problem is solved on W_K's column
+    span: with W_K = P T (thin QR, T k × k), M = B Pᵀ with B = Y X_Kᵀ Tᵀ (d_out × k), and when rank B = k
+
+        Q* W_K = U T,   U = argmax_{UᵀU=I} tr(UᵀB) = B (BᵀB)^{-1/2}   (``rotation.polar_columns``),
+
+    a k × k eigenproblem instead of d_out × d_out, unique whatever Q* does on span(W_K)⊥, with tr(Q*ᵀM) =
+    tr(UᵀB). When rank B < k (fewer calibration tokens than kept columns) Q* W_K depends on that completion,
+    so the square M is solved (``rotation.polar``), as it is for k ≥ d_out; ``info["span"]`` says which ran.
+    Products are in float32 for ``dtype='float32'`` (as the official code forms Y Aᵀ), else in float64
+    (float32 products here moved a ratio-0 model's logits by 1.5e-5); ``rcpu_bench.compensation.rotation``
+    documents the solvers and the choice of Q for a rank-deficient M. Q may be a reflection (det −1), as in
+    the paper. Only ``solver='official'`` takes ``dtype='float32'`` alone: it reproduces the official float32
+    numerics (the square SVD of M).
     """
     if solver == "official" and dtype != torch.float32:
         raise ValueError(f"solver='official' computes in float32 as the official code; got dtype={dtype}: "
                          "pass dtype='float32'")
-    m = problem.yxk.to(dtype) @ problem.wk.to(dtype).T
-    result = polar(m, solver)
+    yxk, wk = problem.yxk.to(dtype), problem.wk.to(dtype)
+    d_out, k = wk.shape
+    span = None
+    if solver != "official" and k < d_out and problem.stats.n >= k:  # rank B ≤ N
+        factor = torch.linalg.qr(wk, mode="r").R  # W_K = P T
+        span = polar_columns(yxk @ factor.T, solver)
+    if span is not None:
+        result, rotated = span, span.q @ factor
+        result.info["span"] = "kept columns"
+    else:
+        result = polar(yxk @ wk.T, solver)
+        rotated = result.q @ wk
+        result.info["span"] = "outputs"
     result.info["compute_dtype"] = str(dtype).removeprefix("torch.")
-    return result
+    return rotated, result
 
 
 def procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
                dtype: str = "float64", solver: str = "auto") -> Compensation:
     """RCPU rotation: W̃_K = Q* W_K with Q* = argmin_{QᵀQ=I} ‖Y − Q Z‖_F (paper eqs. procrustes_obj, wk_update)."""
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
-    rot = rotation(problem, compute, solver)
-    new_weight = rot.q @ problem.wk.to(compute)
+    new_weight, rot = rotate(problem, compute, solver)
     checked = compute == torch.float64 and "orthogonality_unchecked" not in rot.info
     return problem.result(new_weight, None, (lambda: problem.rotated_error(new_weight)) if checked else None,
                           **rot.info)
@@ -267,8 +329,8 @@ def scaled_procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, prun
                       dtype: str = "float64", solver: str = "auto") -> Compensation:
     """RCPU rotation + scale: W̃_K = s* Q* W_K with s* = tr(Σ) / ‖Z‖_F² (paper eq. scaled_sol); tr(Σ) = tr(Q*ᵀM)."""
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
-    rot = rotation(problem, compute, solver)
+    rotated, rot = rotate(problem, compute, solver)
     if not problem.z_norm2 > 0:
         raise ValueError("‖Z‖_F² = 0: the kept columns carry no calibration signal, the scale is undefined")
     scale = rot.trace / float(problem.z_norm2)
-    return problem.result(scale * rot.q @ problem.wk.to(compute), scale=scale, **rot.info)
+    return problem.result(scale * rotated, scale=scale, **rot.info)

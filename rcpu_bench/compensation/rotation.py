@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from rcpu_bench.statistics.activations import add_gram_upper, mirror_upper
+
 SOLVERS = ("auto", "eigh", "svd", "official")
 # The order n from which "auto" runs eigh rather than the SVD on the CPU (module docstring; measured idle).
 CPU_SVD_BELOW = 2048
@@ -66,8 +68,7 @@ def tolerance(n: int, dtype: torch.dtype) -> float:
 
 def orthogonality_error(q: Tensor) -> float:
     """‖QᵀQ − I‖_F computed in float64, so that it measures Q and not the rounding of the check."""
-    q64 = q.to(torch.float64)
-    gram = q64.T @ q64
+    gram = _gram(q.to(torch.float64), full=True)
     gram.diagonal().sub_(1)
     return float(gram.norm())
 
@@ -83,32 +84,69 @@ class Rotation:
 
 def polar(m: Tensor, solver: str = "auto") -> Rotation:
     """Q = argmax_{QᵀQ=I} tr(QᵀM) for a square M, in M's dtype, by the chosen ``solver`` (see the module doc)."""
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown rotation solver {solver!r}; allowed: {', '.join(SOLVERS)}")
+    _check_solver(solver)
     if m.ndim != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"M must be square, got shape {tuple(m.shape)}")
     if solver == "official":
         return _official(m)
+    rotation = _solve(m, solver, complete=True)
+    assert rotation is not None  # a square M is completed, never refused
+    return rotation
+
+
+def polar_columns(b: Tensor, solver: str = "auto") -> Rotation | None:
+    """U = argmax_{UᵀU=I_k} tr(UᵀB) = B (BᵀB)^{-1/2} for a tall B (n × k, n ≥ k) of full column rank.
+
+    The same solvers and checks as :func:`polar` on the k × k problem (eigh of BᵀB, or the thin SVD);
+    ``info`` has no ``det_sign`` (U is not square). None when rank B < k: the maximiser is then not
+    unique and the caller decides the completion (``compensators.rotate`` solves the square problem).
+    """
+    _check_solver(solver)
+    if solver == "official":
+        raise ValueError("solver='official' reproduces the official square SVD of M: use polar(M)")
+    if b.ndim != 2 or b.shape[0] < b.shape[1]:
+        raise ValueError(f"B must be tall (n × k, n ≥ k), got shape {tuple(b.shape)}")
+    return _solve(b, solver, complete=False)
+
+
+def _check_solver(solver: str) -> None:
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown rotation solver {solver!r}; allowed: {', '.join(SOLVERS)}")
+
+
+def _solve(m: Tensor, solver: str, complete: bool) -> Rotation | None:
+    """The checked polar factor of M (n × k) by eigh or the SVD; the closest-to-identity completion of a
+    rank-deficient square M when ``complete``, else None for rank M < k."""
     m64 = m.to(torch.float64)
     if solver == "svd" or (solver == "auto" and auto_solver(m) == "svd"):
-        return _finish(*_svd_polar(m64, m.dtype), m, "svd")
-    q64, upper, steps, error = _eigh_polar(m64)
+        return _svd_rotation(m64, m, "svd", complete)
+    solved = _eigh_polar(m64, complete)
+    if solved is None:
+        return None
+    q64, upper, steps, error, asymmetry = solved
     rotation = _finish(q64, upper, m, "eigh", error)
     rotation.info["polish_steps"] = float(steps)
-    rotation.info["asymmetry"] = _asymmetry(rotation.q.to(torch.float64), m64)
+    rotation.info["asymmetry"] = asymmetry
     failure = _failed_check(rotation, m)
     if failure is None:
         return rotation
     if solver == "eigh":
         raise RuntimeError(f"the eigh rotation solver failed its check: {failure}; use solver='svd' or 'auto'")
-    fallback = _finish(*_svd_polar(m64, m.dtype), m, "eigh+svd-fallback")
-    fallback.info["fallback_reason"] = failure
+    fallback = _svd_rotation(m64, m, "eigh+svd-fallback", complete)
+    if fallback is not None:
+        fallback.info["fallback_reason"] = failure
     return fallback
 
 
+def _svd_rotation(m64: Tensor, m: Tensor, solver: str, complete: bool) -> Rotation | None:
+    """``_svd_polar`` finished as a Rotation recorded under ``solver``; None where it refuses (rank M < k)."""
+    solved = _svd_polar(m64, m.dtype, complete)
+    return None if solved is None else _finish(*solved, m, solver)
+
+
 def auto_solver(m: Tensor) -> str:
-    """What ``solver="auto"`` runs for M: the SVD on the CPU below n = ``CPU_SVD_BELOW``, else eigh."""
-    return "svd" if m.device.type == "cpu" and m.shape[0] < CPU_SVD_BELOW else "eigh"
+    """What ``solver="auto"`` runs for M (n × k): the SVD on the CPU below k = ``CPU_SVD_BELOW``, else eigh."""
+    return "svd" if m.device.type == "cpu" and m.shape[1] < CPU_SVD_BELOW else "eigh"
 
 
 def _failed_check(rotation: Rotation, m: Tensor) -> str | None:
@@ -122,30 +160,46 @@ def _failed_check(rotation: Rotation, m: Tensor) -> str | None:
     return None
 
 
-def _eigh_polar(m: Tensor) -> tuple[Tensor, Tensor, int, float]:
-    """Polar factor from MᵀM = V Λ Vᵀ: Q = U_r V_rᵀ + completion, U_r = M V_r normalised, then polished.
+def _eigh_polar(m: Tensor, complete: bool = True) -> tuple[Tensor, Tensor, int, float, float] | None:
+    """Polar factor of M (n × k) from MᵀM = V Λ Vᵀ: Q = U_r V_rᵀ + completion, U_r = M V_r normalised, then polished.
 
-    Returns (Q, upper bound Σᵢ‖M vᵢ‖ of tr Σ, Newton–Schulz steps, ‖QᵀQ − I‖_F), in float64. Eigenvalues
-    at or below float64 eigh's resolution n·eps·λ_max span the numerical null space (of the float64 M, also
-    when M was formed in float32: its small singular values are real for the matrix given).
+    Returns (Q, upper bound Σᵢ‖M vᵢ‖ of tr Σ, Newton–Schulz steps, ‖QᵀQ − I‖_F, backward error
+    ‖QᵀM − MᵀQ‖_F / 2‖M‖_F), in float64; None when rank M < k and not ``complete``. Eigenvalues at or below
+    float64 eigh's resolution k·eps·λ_max span the numerical null space (of the float64 M, also when M was
+    formed in float32: its small singular values are real for the matrix given). MᵀM is formed as its upper
+    block triangle only (eigh reads that triangle). (A float32 eigh, about half the time, cannot resolve
+    σ below √(n·eps32)·σ₁ ≈ 0.02·σ₁ at n = 4096: it failed the float32 checks on o_proj- and full-rank-like M.)
     """
-    n = m.shape[0]
-    evals, v = torch.linalg.eigh(m.T @ m)  # ascending
+    k, target = m.shape[1], tolerance(m.shape[0], m.dtype)
+    evals, v = torch.linalg.eigh(_gram(m, full=False), UPLO="U")  # ascending
     mv = m @ v
     norms = mv.norm(dim=0)
-    rank = int((evals > n * torch.finfo(m.dtype).eps * evals[-1]).sum()) if evals[-1] > 0 else 0
-    first = n - rank
+    rank = int((evals > k * torch.finfo(m.dtype).eps * evals[-1]).sum()) if evals[-1] > 0 else 0
+    if rank < k and not complete:
+        return None
+    first = k - rank
     u_r = mv[:, first:] / norms[first:]
     q = u_r @ v[:, first:].T
-    if rank < n:
-        q += _closest_completion(_complement(u_r), v[:, :first])
-    q, steps, error = _polish(q, tolerance(n, torch.float64))
+    if rank < k:
+        q += _closest_completion(_complement(u_r, v[:, :first]), v[:, :first])
+    q, steps, error = _polish(q, target)
+    asymmetry = _asymmetry(q, m)
     for _ in range(MAX_REFINEMENTS):
-        if _asymmetry(q, m) <= tolerance(n, torch.float64):
+        if asymmetry <= target:
             break
-        q, more, error = _polish(_refine(q, m, v, norms, first), tolerance(n, torch.float64))
-        steps += more
-    return q, norms.sum(), steps, error
+        q, more, error = _polish(_refine(q, m, v, norms, first), target)
+        steps, asymmetry = steps + more, _asymmetry(q, m)
+    return q, norms.sum(), steps, error, asymmetry
+
+
+def _gram(m: Tensor, full: bool) -> Tensor:
+    """MᵀM (k × k) from its upper block triangle, at about half the flops of a full product; mirrored to the
+    lower triangle when ``full``."""
+    gram = m.new_zeros(m.shape[1], m.shape[1])
+    add_gram_upper(gram, m)
+    if full:
+        mirror_upper(gram)
+    return gram
 
 
 def _asymmetry(q: Tensor, m: Tensor) -> float:
@@ -170,12 +224,19 @@ def _refine(q: Tensor, m: Tensor, v: Tensor, norms: Tensor, first: int) -> Tenso
     return q + (q @ v) @ omega @ v.T
 
 
-def _complement(u_r: Tensor) -> Tensor:
-    """An orthonormal basis U⊥ of the orthogonal complement of span(U_r), by a complete QR."""
-    n, r = u_r.shape
-    if r == 0:
-        return torch.eye(n, dtype=u_r.dtype, device=u_r.device)
-    return torch.linalg.qr(u_r, mode="complete").Q[:, r:]
+def _complement(u_r: Tensor, v_perp: Tensor) -> Tensor:
+    """An orthonormal basis U⊥ of span(U_r)⊥ (n × (n − r)), from V⊥ instead of a complete QR of U_r.
+
+    B = (I − U_r U_rᵀ) V⊥, projected twice (Gram–Schmidt twice keeps B ⊥ U_r to rounding), equals
+    U⊥ (U⊥ᵀ V⊥) and spans span(U_r)⊥ when U⊥ᵀ V⊥ is nonsingular; its polar factor L Rᵀ (thin SVD) is then
+    such a basis. (When it is singular, i.e. V⊥ meets span(U_r), it is not orthogonal to U_r: the polish
+    and checks that follow repair Q or refuse it for the SVD.) Cost: 4·n·r·(n − r) and an n × (n − r) SVD,
+    against a complete QR (0.9 s against 2.0 s at n = 4096, r = 13n/16, 2 threads).
+    """
+    b = v_perp - u_r @ (u_r.T @ v_perp)
+    b -= u_r @ (u_r.T @ b)
+    left, _, right = _accurate_svd(b, full_matrices=False)
+    return left @ right
 
 
 def _closest_completion(u_perp: Tensor, v_perp: Tensor) -> Tensor:
@@ -196,7 +257,7 @@ def _polish(q: Tensor, target: float) -> tuple[Tensor, int, float]:
     """
     previous = float("inf")
     for step in range(MAX_POLISH_STEPS + 1):
-        e = q.T @ q
+        e = _gram(q, full=True)
         e.diagonal().sub_(1)
         error = float(e.norm())
         if error <= target or not error < min(1.0, previous) or step == MAX_POLISH_STEPS:
@@ -206,24 +267,27 @@ def _polish(q: Tensor, target: float) -> tuple[Tensor, int, float]:
     raise AssertionError("unreachable")
 
 
-def _accurate_svd(m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _accurate_svd(m: Tensor, full_matrices: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """U, Σ, Vᵀ by an accurate driver: LAPACK on the CPU, ``gesvd`` on CUDA (the default there is not)."""
-    return torch.linalg.svd(m, full_matrices=True, driver="gesvd" if m.is_cuda else None)
+    return torch.linalg.svd(m, full_matrices=full_matrices, driver="gesvd" if m.is_cuda else None)
 
 
-def _svd_polar(m: Tensor, given: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
-    """Q = U_r V_rᵀ + the closest completion, from the float64 SVD of M; returns (Q, tr Σ) in float64.
+def _svd_polar(m: Tensor, given: torch.dtype = torch.float64, complete: bool = True) -> tuple[Tensor, Tensor] | None:
+    """Q = U_r V_rᵀ + the closest completion, from the float64 SVD of M (n × k); returns (Q, tr Σ) in float64,
+    or None when rank M < k and not ``complete``.
 
-    r = #{σᵢ > max(n·eps·σ₁, u·‖M‖_F)}, u the unit roundoff of the dtype M was ``given`` in: rounding M to
+    r = #{σᵢ > max(k·eps·σ₁, u·‖M‖_F)}, u the unit roundoff of the dtype M was ``given`` in: rounding M to
     that dtype moves each σᵢ by at most ‖E‖₂ ≤ u‖M‖_F (Weyl), so smaller σᵢ may be rounding alone, larger
     ones are M's (a float32 SVD's cut n·eps32·σ₁ would drop some of those, the module docstring's example).
     """
-    n = m.shape[0]
-    u, sigma, vh = _accurate_svd(m)
-    cut = max(n * torch.finfo(m.dtype).eps * float(sigma[0]), torch.finfo(given).eps / 2 * float(m.norm()))
+    k = m.shape[1]
+    u, sigma, vh = _accurate_svd(m, full_matrices=complete)
+    cut = max(k * torch.finfo(m.dtype).eps * float(sigma[0]), torch.finfo(given).eps / 2 * float(m.norm()))
     rank = int((sigma > cut).sum()) if sigma[0] > 0 else 0
+    if rank < k and not complete:
+        return None
     q = u[:, :rank] @ vh[:rank]
-    if rank < n:
+    if rank < k:
         q += _closest_completion(u[:, rank:], vh[rank:].T)
     return q, sigma.sum()
 
@@ -237,12 +301,15 @@ def _finish(q64: Tensor, upper: Tensor, m: Tensor, solver: str, error64: float |
     trace = float(q.to(torch.float64).reshape(-1) @ m.to(torch.float64).reshape(-1))
     gap = (float(upper) - trace) / float(upper) if upper > 0 else 0.0
     error = error64 if error64 is not None and m.dtype == torch.float64 else orthogonality_error(q)
-    return Rotation(q, trace, {"solver": solver, "orthogonality_error": error,
-                               "optimality_gap": gap, "det_sign": _det_sign(q)})
+    info: dict[str, float | str] = {"solver": solver, "orthogonality_error": error, "optimality_gap": gap}
+    if q.shape[0] == q.shape[1]:
+        info["det_sign"] = _det_sign(q)
+    return Rotation(q, trace, info)
 
 
 def _det_sign(q: Tensor) -> float:
-    return float(torch.linalg.slogdet(q.to(torch.float64)).sign)
+    """sign det Q, from a float32 LU: |det Q| = 1 for an orthogonal Q, far from 0 at any precision."""
+    return float(torch.linalg.slogdet(q.to(torch.float32)).sign)
 
 
 def _official(m: Tensor) -> Rotation:
