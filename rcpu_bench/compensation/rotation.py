@@ -6,22 +6,23 @@ the null spaces), and max tr(QᵀM) = tr(Σ), the numerator of the scaled soluti
 Solvers (``solver=``):
 
 * ``eigh``: eigendecomposition of the Gram MᵀM = V Λ Vᵀ in float64 (several times faster than a
-  general SVD, on a GPU above all), U_r = M V_r / ‖M V_r‖ column by column, then Newton–Schulz
+  general SVD on a GPU), U_r = M V_r / ‖M V_r‖ column by column, then Newton–Schulz
   steps until ‖QᵀQ − I‖_F is within ``tolerance``, and refinement steps (``_refine``) that remove the
   Gram matrix's squared conditioning from Q's error. Three checks, each within ``tolerance``:
   orthogonality; backward error ‖QᵀM − MᵀQ‖_F / 2‖M‖_F (QᵀM is symmetric for the polar factor
   only); optimality tr(QᵀM) ≥ (1 − tol) Σᵢ‖M vᵢ‖, where Σᵢ‖M vᵢ‖ ≥ tr(Σ) for any orthonormal basis
-  {vᵢ}: an upper bound computed without an SVD. A failed check raises.
+  {vᵢ}: an upper bound computed without an SVD. A failed check raises. The symmetric products MᵀM and
+  QᵀQ are formed from their upper block triangles (half the flops); at n = 4096 on 2 CPU threads the
+  eigh itself is about half the time, the products of U_r, Q, the polish and the checks the other half.
 * ``svd``: an accurate float64 SVD (LAPACK on the CPU, ``gesvd`` on CUDA: the default CUDA driver
   loses orthogonality), with the same null-space completion.
 * ``auto`` (default): the cheapest solver of the device and size that passes the checks
   (:func:`auto_solver`): on the CPU the ``svd`` below n = ``CPU_SVD_BELOW`` and ``eigh`` from there. The
-  crossover depends on the CPU: eigh of MᵀM plus the products of the polish, refinement and checks cost
-  1.5× LAPACK's float64 SVD at n = 1024 on a 2-core Zen 3, but 0.81–1.00× at 1024, 0.78–0.95× at 2048 and
-  0.74–0.85× at 4096 (13.1–14.7 s against 17.4–17.8 s) on an idle 2-thread Xeon (full-rank and
-  o_proj-like rank-13n/16 M). 2048 is past the Xeon's crossover; the Zen 3 was measured at 1024 only. On CUDA
-  ``eigh`` (0.11 s against 1.6–5.3 s for the SVD at 4096², float64, on an H200). ``eigh`` falls back to
-  the ``svd`` when a check fails, recorded as ``eigh+svd-fallback`` with the reason.
+  crossover depends on the CPU; eigh / SVD time, full-rank and o_proj-like rank-13n/16 M, 2 idle threads:
+  0.91–1.06 at n = 1024, 0.82–1.00 at 2048 and 0.77–0.84 at 4096 (27–30 s against 35–36 s) on a Zen 3
+  (``benchmarks/README.md``); 0.81–1.00, 0.78–0.95 and 0.74–0.85 on a Xeon (before the upper-triangle
+  products). On CUDA ``eigh`` (0.11 s against 1.6–5.3 s for the SVD at 4096², float64, on an H200).
+  ``eigh`` falls back to the ``svd`` when a check fails, recorded as ``eigh+svd-fallback`` with the reason.
   ``info["solver"]`` records which ran. A float32 SVD is not
   used even for a float32 M: its rank cut n·eps32·σ₁ drops genuine singular directions (e.g. a
   random-init o_proj at 1/20 of LLaMA-7B's width, σ down to 1.4e-5·σ₁ < 2.3e-5·σ₁), whose completion
@@ -29,6 +30,10 @@ Solvers (``solver=``):
 * ``official``: the official code's numerics on purpose (float32 M, ``torch.linalg.svd`` with the
   default driver, Q = U Vᵀ with whatever completion the SVD gives). Its orthogonality error is
   recorded, not checked (``orthogonality_unchecked`` says why), because the float32 CUDA SVD breaks it.
+
+:func:`polar_columns` solves the same problem for a tall B (n × k, n ≥ k): U = argmax_{UᵀU=I_k} tr(UᵀB)
+= B (BᵀB)^{-1/2}, with the same solvers and checks on a k × k problem, for B of full column rank
+(``compensators.rotate`` uses it for pruned heads).
 
 Rank-deficient M (fewer calibration tokens than kept columns, or M = A W_Kᵀ with rank W_K ≤ k <
 d_out, e.g. pruned heads): Q W_K is unique when rank M = rank W_K, because then W_K's columns lie in
