@@ -285,13 +285,18 @@ def worker(spec: RunSpec) -> dict[str, Any]:
     return {"seconds": timer.seconds, "peak_mib": peak}
 
 
+class WorkerFailed(RuntimeError):
+    """A measurement's process exited with an error (its last stderr line is the message)."""
+
+
 def spawn(spec: RunSpec) -> dict[str, Any]:
-    """Run ``worker(spec)`` in a fresh interpreter and return its report."""
+    """Run ``worker(spec)`` in a fresh interpreter and return its report; WorkerFailed if it fails."""
     env = os.environ | {name: str(spec.threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(asdict(spec))],
                           env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"worker {spec} failed:\n{done.stderr[-4000:]}")
+        print(f"worker {spec} failed:\n{done.stderr[-4000:]}", file=sys.stderr, flush=True)
+        raise WorkerFailed(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -486,8 +491,13 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             on_cuda = torch.device(args.device).type == "cuda"
             baseline = 0.0 if on_cuda else spawn(replace(base, tokens=tokens))["peak_mib"]
-            rows += [row for compensator in args.compensator
-                     for row in compare(tokens, compensator, args, base, baseline, Path(workdir))]
+            for compensator in args.compensator:
+                try:
+                    rows += compare(tokens, compensator, args, base, baseline, Path(workdir))
+                except WorkerFailed as error:  # the other cases still run; the exit status says so
+                    rows.append({"tokens": tokens, "compensator": compensator, "part": "failed", "error": str(error)})
+    failures = [r for r in rows if r["part"] == "failed"]
+    rows = [r for r in rows if r["part"] != "failed"]
     print(tabulate([{k: v for k, v in r.items() if not k.endswith(" repeats")} for r in rows
                     if "agreement" not in r["part"]], headers="keys", floatfmt=".3g"))
     print(tabulate([r for r in rows if "agreement" in r["part"]], headers="keys", floatfmt=".3g"))
@@ -501,13 +511,16 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "command": " ".join(["python", *sys.argv]), "cpu": cpu_model(),
                     "cuda": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
                     **harness_commit()}
-        args.out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2, default=str))
+        args.out.write_text(json.dumps({"settings": settings, "rows": rows, "failed": failures}, indent=2,
+                                       default=str))
     failed = [r for r in rows
               if "agreement" in r["part"] and not (r["same_selection"] and r["max_rel_diff"] <= TOLERANCE)]
     for row in failed:
         print(f"MISMATCH N={row['tokens']} {row['compensator']} {row['part']} {row['variant']}: same selection "
               f"{row['same_selection']}, max relative difference {row['max_rel_diff']:.2e} (tolerance {TOLERANCE:g})")
-    return 1 if failed else 0
+    for row in failures:
+        print(f"FAILED N={row['tokens']} {row['compensator']}: {row['error']}")
+    return 1 if failed or failures else 0
 
 
 if __name__ == "__main__":

@@ -217,9 +217,26 @@ def test_ill_conditioned_m_falls_back_to_svd_and_records_why():
     """σ down to 1e-10·σ₁ cannot be resolved from MᵀM in float64: the check fails, the SVD is used, recorded."""
     m, _, _ = make_m(30, 30, 10.0, seed=2)
     out = R.polar(m)
-    assert out.info["solver"] == "eigh+svd-fallback" and " > " in out.info["fallback_reason"]
+    assert out.info["solver"] == "eigh+svd-fallback" and ("not resolved" in out.info["fallback_reason"]
+                                                          or " > " in out.info["fallback_reason"])
     torch.testing.assert_close(out.q, reference(m, 30)[0], rtol=0, atol=1e-4)
     with pytest.raises(RuntimeError, match="eigh rotation solver failed its check"):
+        R.polar(m, "eigh")
+
+
+@pytest.mark.usefixtures("auto_is_eigh")
+def test_spectrum_through_the_null_cut_goes_to_the_svd_without_polishing():
+    """σ log-spaced down to 1e-8·σ₁ (n = 60): eigenvalues of MᵀM run through eigh's cut 60·eps·λ₁, so some lie
+    just above it, neither null nor resolved: the SVD is taken at once (no polish, the reason recorded)."""
+    m, _, _ = make_m(60, 60, 8.0, seed=5)
+    evals = torch.linalg.eigvalsh(m.T @ m)
+    cut = 60 * EPS64 * float(evals[-1])
+    assert bool(((evals > cut) & (evals < R.UNRESOLVED * cut)).any())
+    out = R.polar(m)
+    assert out.info["solver"] == "eigh+svd-fallback" and "not resolved" in out.info["fallback_reason"]
+    assert "polish_steps" not in out.info
+    torch.testing.assert_close(out.q, R.polar(m, "svd").q, rtol=0, atol=1e-12)
+    with pytest.raises(RuntimeError, match="not resolved by eigh"):
         R.polar(m, "eigh")
 
 

@@ -252,12 +252,15 @@ def test_collect_input_stats_on_linear_equals_one_big_batch():
     assert_same_stats(collected["proj"], stats_of(X))
 
 
+@pytest.mark.parametrize("moment_block", [2, 64])
 @pytest.mark.parametrize("chunk", [4, 7, 64])
-def test_gathered_batches_equal_direct_float64_sums(chunk):
-    """Batches gathered up to CHUNK_TOKENS (fewer, longer updates) give the float64 sums of all tokens, C included."""
+def test_gathered_batches_equal_direct_float64_sums(chunk, moment_block):
+    """Batches gathered up to CHUNK_TOKENS (fewer, longer updates; a batch of 9 holds whole chunks of 4 and 7)
+    give the float64 sums of all tokens, C included, whatever the moments' block length."""
     layer = linear(6, 4, seed=12)
     batches = [make_X(6, n, seed=20 + n).T.reshape(1, n, 6) for n in (3, 5, 9, 2)]
-    with mock.patch.object(stats_module, "CHUNK_TOKENS", chunk), torch.no_grad(), \
+    with mock.patch.object(stats_module, "CHUNK_TOKENS", chunk), \
+            mock.patch.object(stats_module, "MOMENT_BLOCK", moment_block), torch.no_grad(), \
             collect_input_stats({"proj": layer}, with_cross=True) as collected:
         for batch in batches:
             layer(batch)

@@ -300,19 +300,25 @@ def rotate(problem: Problem, dtype: torch.dtype, solver: str) -> tuple[Tensor, R
                          "pass dtype='float32'")
     yxk, wk = problem.yxk.to(dtype), problem.wk.to(dtype)
     d_out, k = wk.shape
-    span = None
+    solved = None
     if solver != "official" and k < d_out and problem.stats.n >= k:  # rank B ≤ N
-        factor = torch.linalg.qr(wk, mode="r").R  # W_K = P T
-        span = polar_columns(yxk @ factor.T, solver)
-    if span is not None:
-        result, rotated = span, span.q @ factor
-        result.info["span"] = "kept columns"
-    else:
+        solved = _rotate_on_kept_span(yxk, wk, solver)
+    if solved is None:
         result = polar(yxk @ wk.T, solver)
-        rotated = result.q @ wk
         result.info["span"] = "outputs"
-    result.info["compute_dtype"] = str(dtype).removeprefix("torch.")
-    return rotated, result
+        solved = result.q @ wk, result
+    solved[1].info["compute_dtype"] = str(dtype).removeprefix("torch.")
+    return solved
+
+
+def _rotate_on_kept_span(yxk: Tensor, wk: Tensor, solver: str) -> tuple[Tensor, Rotation] | None:
+    """(U T, rotation of U) with W_K = P T and U = polar(Y X_Kᵀ Tᵀ) (``rotate``); None when rank B < k."""
+    factor = torch.linalg.qr(wk, mode="r").R  # W_K = P T, T k × k upper triangular
+    result = polar_columns(yxk @ factor.T, solver)
+    if result is None:
+        return None
+    result.info["span"] = "kept columns"
+    return result.q @ factor, result
 
 
 def procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,

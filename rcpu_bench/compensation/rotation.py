@@ -64,6 +64,11 @@ TOLERANCE_FACTOR = 5.0
 MAX_POLISH_STEPS = 8
 # Refinement steps of the eigh solution against the asymmetry of QᵀM (``_refine``); each is quadratic.
 MAX_REFINEMENTS = 3
+# An eigenvalue of MᵀM within this factor of eigh's null-space cut k·eps·λ_max is not resolved: the SVD
+# is used at once. Measured (n = 120, σ log-spaced down to 10^-c): c ≤ 5 (λ_min ≥ 3700 × cut) passes with one
+# polish step, c = 5.5–6 (370–37 × cut) after 2–3 steps and refinements, c = 6.5 (4 × cut) fails once in 4,
+# c ≥ 7 (below the cut, taken as null) always fails; at n = 4096 a failed attempt cost 4x the SVD.
+UNRESOLVED = 10.0
 
 
 def tolerance(n: int, dtype: torch.dtype) -> float:
@@ -128,13 +133,16 @@ def _solve(m: Tensor, solver: str, complete: bool) -> Rotation | None:
     solved = _eigh_polar(m64, complete)
     if solved is None:
         return None
-    q64, upper, steps, error, asymmetry = solved
-    rotation = _finish(q64, upper, m, "eigh", error)
-    rotation.info["polish_steps"] = float(steps)
-    rotation.info["asymmetry"] = asymmetry
-    failure = _failed_check(rotation, m)
-    if failure is None:
-        return rotation
+    if isinstance(solved, str):
+        failure = solved
+    else:
+        q64, upper, steps, error, asymmetry = solved
+        rotation = _finish(q64, upper, m, "eigh", error)
+        rotation.info["polish_steps"] = float(steps)
+        rotation.info["asymmetry"] = asymmetry
+        failure = _failed_check(rotation, m)
+        if failure is None:
+            return rotation
     if solver == "eigh":
         raise RuntimeError(f"the eigh rotation solver failed its check: {failure}; use solver='svd' or 'auto'")
     fallback = _svd_rotation(m64, m, "eigh+svd-fallback", complete)
@@ -165,21 +173,31 @@ def _failed_check(rotation: Rotation, m: Tensor) -> str | None:
     return None
 
 
-def _eigh_polar(m: Tensor, complete: bool = True) -> tuple[Tensor, Tensor, int, float, float] | None:
+def _eigh_polar(m: Tensor, complete: bool = True) -> tuple[Tensor, Tensor, int, float, float] | str | None:
     """Polar factor of M (n × k) from MᵀM = V Λ Vᵀ: Q = U_r V_rᵀ + completion, U_r = M V_r normalised, then polished.
 
     Returns (Q, upper bound Σᵢ‖M vᵢ‖ of tr Σ, Newton–Schulz steps, ‖QᵀQ − I‖_F, backward error
-    ‖QᵀM − MᵀQ‖_F / 2‖M‖_F), in float64; None when rank M < k and not ``complete``. Eigenvalues at or below
-    float64 eigh's resolution k·eps·λ_max span the numerical null space (of the float64 M, also when M was
-    formed in float32: its small singular values are real for the matrix given). MᵀM is formed as its upper
-    block triangle only (eigh reads that triangle). (A float32 eigh, about half the time, cannot resolve
-    σ below √(n·eps32)·σ₁ ≈ 0.02·σ₁ at n = 4096: it failed the float32 checks on o_proj- and full-rank-like M.)
+    ‖QᵀM − MᵀQ‖_F / 2‖M‖_F), in float64; None when rank M < k and not ``complete``; the reason, without
+    polishing, when an eigenvalue lies less than a factor ``UNRESOLVED`` above the null-space cut. Eigenvalues
+    at or below float64 eigh's resolution k·eps·λ_max span the numerical null space (of the float64 M, also
+    when M was formed in float32: its small singular values are real for the matrix given); one just above it
+    is not resolved (an ill-conditioned M whose spectrum runs through the cut, e.g. from about as many
+    calibration tokens as outputs), and the polish and refinements that would follow fail the checks at
+    several times the cost of the SVD. MᵀM is
+    formed as its upper block triangle only (eigh reads that triangle). (A float32 eigh, about half the time,
+    cannot resolve σ below √(n·eps32)·σ₁ ≈ 0.02·σ₁ at n = 4096: it failed the float32 checks on o_proj- and
+    full-rank-like M.)
     """
     k, target = m.shape[1], tolerance(m.shape[0], m.dtype)
     evals, v = torch.linalg.eigh(_gram(m, full=False), UPLO="U")  # ascending
+    cut = k * torch.finfo(m.dtype).eps * float(evals[-1])
+    near = int(((evals > cut) & (evals < cut * UNRESOLVED)).sum())
+    if near:
+        return (f"{near} eigenvalue(s) of MᵀM within a factor {UNRESOLVED:g} above the null-space cut "
+                f"{cut:.3g} (κ(M)² ≈ 1/(k·eps)): not resolved by eigh")
     mv = m @ v
     norms = mv.norm(dim=0)
-    rank = int((evals > k * torch.finfo(m.dtype).eps * evals[-1]).sum()) if evals[-1] > 0 else 0
+    rank = int((evals > cut).sum()) if evals[-1] > 0 else 0
     if rank < k and not complete:
         return None
     first = k - rank
