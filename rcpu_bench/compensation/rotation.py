@@ -140,9 +140,10 @@ def _solve(m: Tensor, solver: str, complete: bool) -> Rotation | None:
         rotation = _finish(q64, upper, m, "eigh", error)
         rotation.info["polish_steps"] = float(steps)
         rotation.info["asymmetry"] = asymmetry
-        failure = _failed_check(rotation, m)
-        if failure is None:
+        checked = _failed_check(rotation, m)
+        if checked is None:
             return rotation
+        failure = checked
     if solver == "eigh":
         raise RuntimeError(f"the eigh rotation solver failed its check: {failure}; use solver='svd' or 'auto'")
     fallback = _svd_rotation(m64, m, "eigh+svd-fallback", complete)
