@@ -3,8 +3,10 @@
 
 M is 4096 × 4096 (scaled by RCPU_BENCH_SCALE): ``o_proj`` is rank-deficient like a pruned o_proj,
 M = A W_Kᵀ with W_K of 3328 = 26 of 32 heads' columns, and ``full`` has full rank. Variants: the SVD
-U Vᵀ as compensators.py computed it before (float64 and float32, default driver), and ``polar`` with
-the default solver (eigh of MᵀM in float64, checks, SVD fallback) for a float64 and a float32 M.
+U Vᵀ as compensators.py computed it before (float64 and float32, default driver), ``polar`` with
+the default solver (``auto``) for a float64 and a float32 M, and ``polar`` with each of its checked solvers
+(``eigh``: eigh of MᵀM, polish and checks; ``svd``: the float64 LAPACK SVD) for a float64 M, whose ratio at
+several widths sets ``rotation.CPU_SVD_BELOW`` (``benchmarks/README.md``).
 Each result is checked (orthogonality and tr(QᵀM) against the float64 SVD's tr Σ), never its time.
 
 Environment: RCPU_BENCH_SCALE multiplies the width (default 1; 0.05 to validate quickly),
@@ -46,14 +48,18 @@ def svd_today(m: Tensor) -> tuple[Tensor, float]:
     return u @ vh, float(sigma.sum())
 
 
-def polar_default(m: Tensor) -> tuple[Tensor, float]:
-    rotation = polar(m)
-    return rotation.q, rotation.trace
+def polar_by(solver: str) -> Callable[[Tensor], tuple[Tensor, float]]:
+    """``polar(M, solver)`` as (Q, tr(QᵀM))."""
+    def solve(m: Tensor) -> tuple[Tensor, float]:
+        rotation = polar(m, solver)
+        return rotation.q, rotation.trace
+    return solve
 
 
 VARIANTS: dict[str, tuple[Callable[[Tensor], tuple[Tensor, float]], torch.dtype]] = {
     "svd-float64": (svd_today, torch.float64), "svd-float32": (svd_today, torch.float32),
-    "polar-float64": (polar_default, torch.float64), "polar-float32": (polar_default, torch.float32)}
+    "polar-float64": (polar_by("auto"), torch.float64), "polar-float32": (polar_by("auto"), torch.float32),
+    "polar_eigh-float64": (polar_by("eigh"), torch.float64), "polar_svd-float64": (polar_by("svd"), torch.float64)}
 
 
 @pytest.fixture(scope="session", params=["o_proj", "full"])
