@@ -2,8 +2,8 @@
 
 Each compensator runs on o_proj (4096×4096) and down_proj (4096×11008) at pruning ratio 0.2, from a
 Gram matrix built once per module from 16,384 synthetic tokens (not timed). A second group compares
-the 13-value λ grid from one eigendecomposition (``ridge_grid``) with 13 separate Cholesky solves. A
-third times folding one chunk of tokens into G in each ``gram_precision`` (mixed versus float64).
+the 13-value λ grid by ``ridge_grid`` (one Cholesky per λ, the problem's products shared) with 13 separate
+``ridge`` calls. A third times folding one chunk of tokens into G in each ``gram_precision`` (mixed versus float64).
 
 Environment: RCPU_BENCH_SCALE multiplies the module widths (default 1; 0.05 to validate quickly),
 RCPU_BENCH_ROUNDS sets the timed rounds per benchmark (default 1: a full-size call takes seconds).
@@ -89,7 +89,7 @@ def test_compensator(benchmark: BenchmarkFixture, case: Case, name: str) -> None
     assert result.info["objective_after"] <= result.info["objective_before"] * (1 + 1e-6)
 
 
-def test_lambda_grid_one_eigh(benchmark: BenchmarkFixture, case: Case) -> None:
+def test_lambda_grid_shared_products(benchmark: BenchmarkFixture, case: Case) -> None:
     """Time ``ridge_grid`` over the 13 λ; its two ends must equal separate ``ridge`` solves (not timed)."""
     benchmark.group = f"lambda grid {case.shape.name}"
     grid = timed(benchmark, ridge_grid, case)

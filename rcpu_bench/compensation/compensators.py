@@ -106,8 +106,13 @@ class Problem:
 
     @cached_property
     def z_norm2(self) -> Tensor:
-        """‖Z‖_F² = tr(W_K G_KK W_Kᵀ)."""
-        return ((self.wk @ self.gkk) * self.wk).sum()
+        """‖Z‖_F² = tr(W_K G_KK W_Kᵀ) = ⟨W_K G_KK, W_K⟩.
+
+        When Y X_Kᵀ = W G[:,K] came from G, W_K G_KK = Y X_Kᵀ − R (d_out·|D|·k flops for R instead of
+        d_out·k² for W_K G_KK); from C (other rounding than G) it is formed directly.
+        """
+        kept_product = self.wk @ self.gkk if self.stats.cross is not None else self.yxk - self.dropped_coupling
+        return (kept_product * self.wk).sum()
 
     @cached_property
     def dropped_gram(self) -> Tensor:
@@ -128,23 +133,28 @@ class Problem:
 
             = tr(W_D G_DD W_Dᵀ) − 2⟨Δ, R⟩ + tr(Δ G_KK Δᵀ) − 2 bᵀ(W s − W̃_K s_K) + N‖b‖²,   R = W_D G_DK.
         """
-        if new_weight is self.wk and bias is None:
-            return float(self.pruned_error.clamp_min(0))
         w_new = new_weight.detach().to(device=self.stats.device, dtype=torch.float64)
-        delta = w_new - self.wk
-        err = self.pruned_error - 2 * (self.dropped_coupling * delta).sum() + ((delta @ self.gkk) * delta).sum()
+        err = self.pruned_error
+        if new_weight is not self.wk:  # Δ = 0 for W̃_K = W_K (a bias only): no d_out·k² product
+            delta = w_new - self.wk
+            err = err - 2 * (self.dropped_coupling * delta).sum() + ((delta @ self.gkk) * delta).sum()
         if bias is not None:
             b, s = bias.detach().to(device=self.stats.device, dtype=torch.float64), self.stats.sum
             err = err - 2 * b @ (self.w @ s - w_new @ s[self.kept]) + self.stats.n * b @ b
         return float(err.clamp_min(0))
 
-    def rotated_error(self, new_weight: Tensor) -> float:
-        """‖Y − Q Z‖_F² for W̃_K = Q W_K with Q orthogonal: ‖QZ‖ = ‖Z‖, so it is ``pruned_error`` + 2⟨W_K − W̃_K, Y X_Kᵀ⟩.
+    def rotated_error(self, new_weight: Tensor, scale: float = 1.0) -> float:
+        """‖Y − s Q Z‖_F² for W̃_K = s Q W_K with Q orthogonal: ‖sQZ‖² = s²‖Z‖², so it is
 
-        (‖Y‖² and ‖Z‖² cancel between the two objectives; Q's orthogonality is checked to c·n·eps.)
+            ``pruned_error`` + 2⟨W_K − W̃_K, Y X_Kᵀ⟩ + (s² − 1)‖Z‖²
+
+        (‖Y‖² cancels between the two objectives, and ‖Z‖² for s = 1; Q's orthogonality is checked to c·n·eps).
         """
         w_new = new_weight.detach().to(device=self.stats.device, dtype=torch.float64)
-        return float((self.pruned_error + 2 * (self.yxk * (self.wk - w_new)).sum()).clamp_min(0))
+        err = self.pruned_error + 2 * (self.yxk * (self.wk - w_new)).sum()
+        if scale != 1.0:
+            err = err + (scale**2 - 1) * self.z_norm2
+        return float(err.clamp_min(0))
 
     def result(self, new_weight: Tensor, bias: Tensor | None = None, after: Callable[[], float] | None = None, /,
                **info: Any) -> Compensation:
@@ -218,7 +228,11 @@ def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, 
     ‖Y − W* X_K‖² = tr(W_D G_DD W_Dᵀ) − ⟨Δ, R⟩ − λ‖Δ‖². λ = lam + lam_rel · mean diag G_KK: ``lam_rel=0.01,
     lam=0`` is SparseGPT's / SlimGPT's damping.
     """
-    compute, problem = _dtype(dtype), Problem(weight, stats, kept)
+    return _ridge(Problem(weight, stats, kept), lam, lam_rel, _dtype(dtype))
+
+
+def _ridge(problem: Problem, lam: float, lam_rel: float, compute: torch.dtype) -> Compensation:
+    """``ridge`` on a problem whose shared products (R, W_DᵀW_D, the objective before) may be cached."""
     lam, damping = _damping(problem, lam, lam_rel)
     shifted = problem.kept_block().to(compute)  # A = G_KK + λI; problem.gkk stays unshifted
     shifted.diagonal().add_(lam)
@@ -260,22 +274,17 @@ def _solve_right(b: Tensor, factor: Tensor) -> tuple[Tensor, Tensor]:
 
 def ridge_grid(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
                lams: Sequence[float] = LAMBDA_GRID, dtype: str = "float64") -> list[Compensation]:
-    """Ridge solutions for a whole λ grid from one eigendecomposition G_KK = V diag(e) Vᵀ.
+    """``ridge`` at each λ of a grid, one Cholesky per λ, sharing the problem's products (R = W_D G_DK, W_DᵀW_D,
+    the objective before).
 
-    W*(λ) = W_K + R V diag(1/(e + λ)) Vᵀ (see ``ridge``, R = W_D G_DK): one matmul per λ after the shared eigh.
+    (One eigendecomposition G_KK = V diag(e) Vᵀ shared by the grid, W*(λ) = W_K + R V diag(1/(e + λ)) Vᵀ, was
+    1.7-2.5x slower at 7B shapes on 2 CPU threads than these Cholesky solves of the correction: the eigh and the
+    d_out·k² product per λ outweigh 13 factorisations; ``benchmarks/test_bench_compensators.py``.)
     """
     if not lams or any(lam < 0 for lam in lams):
         raise ValueError(f"ridge lams {list(lams)} must be a non-empty list of values >= 0")
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
-    evals, evecs = torch.linalg.eigh(problem.gkk.to(compute))
-    r_v = problem.dropped_coupling.to(compute) @ evecs
-    results = []
-    for lam in lams:
-        denom = evals + lam
-        _require_definite(False, denom, lam)
-        delta = ((r_v / denom) @ evecs.T).to(torch.float64)
-        results.append(problem.result(problem.wk + delta, **_damping(problem, lam, 0.0)[1]))
-    return results
+    return [_ridge(problem, lam, 0.0, compute) for lam in lams]
 
 
 def rotate(problem: Problem, dtype: torch.dtype, solver: str) -> tuple[Tensor, Rotation]:
@@ -326,9 +335,8 @@ def procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Ten
     """RCPU rotation: W̃_K = Q* W_K with Q* = argmin_{QᵀQ=I} ‖Y − Q Z‖_F (paper eqs. procrustes_obj, wk_update)."""
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
     new_weight, rot = rotate(problem, compute, solver)
-    checked = compute == torch.float64 and "orthogonality_unchecked" not in rot.info
-    return problem.result(new_weight, None, (lambda: problem.rotated_error(new_weight)) if checked else None,
-                          **rot.info)
+    return problem.result(new_weight, None, (lambda: problem.rotated_error(new_weight)) if _orthogonal(compute, rot)
+                          else None, **rot.info)
 
 
 def scaled_procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
@@ -339,4 +347,11 @@ def scaled_procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, prun
     if not problem.z_norm2 > 0:
         raise ValueError("‖Z‖_F² = 0: the kept columns carry no calibration signal, the scale is undefined")
     scale = rot.trace / float(problem.z_norm2)
-    return problem.result(scale * rotated, scale=scale, **rot.info)
+    new_weight = scale * rotated
+    return problem.result(new_weight, None, (lambda: problem.rotated_error(new_weight, scale))
+                          if _orthogonal(compute, rot) else None, scale=scale, **rot.info)
+
+
+def _orthogonal(compute: torch.dtype, rot: Rotation) -> bool:
+    """Whether Q is orthogonal to float64 precision (checked to c·n·eps), so ``Problem.rotated_error`` applies."""
+    return compute == torch.float64 and "orthogonality_unchecked" not in rot.info
