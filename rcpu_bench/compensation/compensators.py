@@ -335,8 +335,7 @@ def procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Ten
     """RCPU rotation: W̃_K = Q* W_K with Q* = argmin_{QᵀQ=I} ‖Y − Q Z‖_F (paper eqs. procrustes_obj, wk_update)."""
     compute, problem = _dtype(dtype), Problem(weight, stats, kept)
     new_weight, rot = rotate(problem, compute, solver)
-    return problem.result(new_weight, None, (lambda: problem.rotated_error(new_weight)) if _orthogonal(compute, rot)
-                          else None, **rot.info)
+    return _rotation_result(problem, new_weight, rot, compute)
 
 
 def scaled_procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, *,
@@ -347,11 +346,15 @@ def scaled_procrustes(weight: Tensor, stats: ActivationStats, kept: Tensor, prun
     if not problem.z_norm2 > 0:
         raise ValueError("‖Z‖_F² = 0: the kept columns carry no calibration signal, the scale is undefined")
     scale = rot.trace / float(problem.z_norm2)
-    new_weight = scale * rotated
-    return problem.result(new_weight, None, (lambda: problem.rotated_error(new_weight, scale))
-                          if _orthogonal(compute, rot) else None, scale=scale, **rot.info)
+    return _rotation_result(problem, scale * rotated, rot, compute, scale)
 
 
-def _orthogonal(compute: torch.dtype, rot: Rotation) -> bool:
-    """Whether Q is orthogonal to float64 precision (checked to c·n·eps), so ``Problem.rotated_error`` applies."""
-    return compute == torch.float64 and "orthogonality_unchecked" not in rot.info
+def _rotation_result(problem: Problem, new_weight: Tensor, rot: Rotation, compute: torch.dtype,
+                     scale: float | None = None) -> Compensation:
+    """``problem.result`` for W̃_K = s Q W_K, the objective after from ``Problem.rotated_error`` when Q is
+    orthogonal to float64 precision (checked to c·n·eps), else from the general ``Problem.error``."""
+    after = None
+    if compute == torch.float64 and "orthogonality_unchecked" not in rot.info:
+        def after() -> float:
+            return problem.rotated_error(new_weight, 1.0 if scale is None else scale)
+    return problem.result(new_weight, None, after, **({} if scale is None else {"scale": scale}), **rot.info)
