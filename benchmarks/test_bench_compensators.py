@@ -3,7 +3,9 @@
 Each compensator runs on o_proj (4096×4096) and down_proj (4096×11008) at pruning ratio 0.2, from a
 Gram matrix built once per module from 16,384 synthetic tokens (not timed). A second group compares
 the 13-value λ grid by ``ridge_grid`` (one Cholesky per λ, the problem's products shared) with 13 separate
-``ridge`` calls. A third times folding one chunk of tokens into G in each ``gram_precision`` (mixed versus float64).
+``ridge`` calls. A third times folding one chunk of tokens into G in each ``gram_precision`` (mixed versus float64),
+a fourth folding one chunk of inputs and outputs into what Procrustes reads: C = Σ y xᵀ, or S = Σ y yᵀ and
+C_D = Σ y x_Dᵀ when the units are chosen before the pass.
 
 Environment: RCPU_BENCH_SCALE multiplies the module widths (default 1; 0.05 to validate quickly),
 RCPU_BENCH_ROUNDS sets the timed rounds per benchmark (default 1: a full-size call takes seconds).
@@ -24,6 +26,7 @@ from synthetic_modules import ModuleShape, make_weight, module_shapes, select_co
 from rcpu_bench.compensation.compensators import (
     LAMBDA_GRID,
     Compensation,
+    Problem,
     flap_bias,
     none,
     procrustes,
@@ -117,3 +120,22 @@ def test_gram_accumulation(benchmark: BenchmarkFixture, module: str, precision: 
                                kwargs={"gram_precision": precision}, rounds=ROUNDS, iterations=1)
     exact = batch.double().T @ batch.double()
     assert float((stats.gram - exact).norm() / exact.norm()) <= 1e-5
+
+
+@pytest.mark.parametrize("module", ["o_proj", "down_proj"])
+@pytest.mark.parametrize("kind", ["cross", "dropped_cross"])
+def test_output_statistics_accumulation(benchmark: BenchmarkFixture, module: str, kind: str) -> None:
+    """Time folding one chunk of tokens and their outputs into C, or into S and C_D (mixed precision); M = Y Zᵀ
+    from either must match float64 to 1e-5 (not timed)."""
+    benchmark.group = f"output statistics {module}"
+    shape = module_shapes(SCALE)[module]
+    weight, batch = make_weight(shape), next(synthetic_batches(shape.d_in, CHUNK_TOKENS, CHUNK_TOKENS))
+    selection, outputs = select_columns(weight, shape), batch @ weight.T
+    kwargs = {"with_gram": False, "outputs": outputs} | (
+        {"with_cross": True} if kind == "cross" else {"dropped": selection.pruned})
+    stats = benchmark.pedantic(ActivationStats.from_activations, args=(batch,), kwargs=kwargs, rounds=ROUNDS,
+                               iterations=1)
+    x, w = batch.double(), weight.double()
+    exact = (x @ w.T).T @ (x[:, selection.kept] @ w[:, selection.kept].T)
+    got = Problem(weight, stats, selection.kept).yzt(torch.float64)
+    assert float((got - exact).norm() / exact.norm()) <= 1e-5

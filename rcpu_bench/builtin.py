@@ -32,7 +32,7 @@ def register_compensators(register: Register) -> None:
     register("none", compensators.none)
     register("flap-bias", compensators.flap_bias)
     register("ridge", compensators.ridge, needs="gram")
-    register("procrustes", compensators.procrustes, needs="cross")
+    register("procrustes", compensators.procrustes, needs="output_cross")
     register("scaled-procrustes", compensators.scaled_procrustes, needs="gram")
 
 

@@ -10,9 +10,11 @@ Selection: a *selector* chooses a module's kept and pruned units jointly (OBS); 
 a score per column, whose units with the lowest summed score are pruned. The run's ``scorer`` option names either.
 
 Keyword-only arguments with defaults are a method's parameters. ``needs`` declares the cheapest
-statistic the method reads: "moments" (N, Σx, Σ|x|, Σx², and ‖Y‖² when outputs were seen), "cross" (also
-Y X_Kᵀ, from C = Σ y xᵀ or from G: read it through ``compensators.Problem.yxk``) or "gram" (also G = Σ x xᵀ).
-The harness collects the cheapest sufficient statistics for the need (``rcpu_bench.statistics.flops``).
+statistic the method reads: "moments" (N, Σx, Σ|x|, Σx², and ‖Y‖² when outputs were seen), "output_cross"
+(also M = Y Zᵀ, the dense outputs against the pruned ones: read it through ``compensators.Problem.yzt``),
+"cross" (also Y X_Kᵀ, from C = Σ y xᵀ or from G: read it through ``compensators.Problem.yxk``) or "gram"
+(also G = Σ x xᵀ). The harness collects the cheapest sufficient statistics for the need
+(``rcpu_bench.statistics.flops``).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ hookspec = pluggy.HookspecMarker("rcpu_bench")
 hookimpl = pluggy.HookimplMarker("rcpu_bench")
 
 Kind = Literal["scorer", "selector", "compensator", "model-method", "allocation"]
-Needs = Literal["moments", "cross", "gram"]
-NEEDS: tuple[Needs, ...] = ("moments", "cross", "gram")  # ordered: each reads at least what the one before reads
+Needs = Literal["moments", "output_cross", "cross", "gram"]
+# Ordered: each reads at least what the one before reads.
+NEEDS: tuple[Needs, ...] = ("moments", "output_cross", "cross", "gram")
 
 
 # --- what a plugin provides ------------------------------------------------------------------------

@@ -144,15 +144,18 @@ def _trial_problem(kind: Kind, needs: Needs) -> tuple[Any, ...]:
     """W (3 × 4) and the statistics of 32 random tokens; compensators also get K = {0, 2}, pruned {1, 3}, selectors
     units of 2 columns and one to prune; allocations get 4 layers and ratio 0.2.
 
-    The statistics are those declared: moments and ‖Y‖², plus C alone for "cross", plus G alone for "gram"."""
+    The statistics are the least that the declared need allows: moments and ‖Y‖², plus S and C_D over the
+    pruned columns for "output_cross", C alone for "cross", G alone for "gram"."""
     if kind == "allocation":
         return (4, 0.2)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(3, 4, generator=generator)
     x = torch.randn(32, 4, generator=generator, dtype=torch.float64)
+    kept, pruned = torch.tensor([0, 2]), torch.tensor([1, 3])
     stats = ActivationStats.from_activations(x, with_gram=needs == "gram", outputs=x @ weight.double().T,
-                                             with_cross=needs == "cross")
-    extra = {"compensator": (torch.tensor([0, 2]), torch.tensor([1, 3])), "selector": (UnitMap(2), 1)}
+                                             with_cross=needs == "cross",
+                                             dropped=pruned if needs == "output_cross" else None)
+    extra = {"compensator": (kept, pruned), "selector": (UnitMap(2), 1)}
     return (weight, stats, *extra.get(kind, ()))
 
 

@@ -116,7 +116,7 @@ def test_builtins_are_registered_with_provider_and_needs():
         assert method.provider.startswith("builtin (rcpu-bench")
         assert method.description
     needs = {m.name: m.needs for m in registry.methods("compensator") if m.name in BUILTIN_COMPENSATORS}
-    assert needs == {"flap-bias": "moments", "none": "moments", "procrustes": "cross", "ridge": "gram",
+    assert needs == {"flap-bias": "moments", "none": "moments", "procrustes": "output_cross", "ridge": "gram",
                      "scaled-procrustes": "gram"}
 
 
@@ -214,7 +214,7 @@ def test_bad_needs_isolates_the_plugin_naming_it():
             register("toy-score", toy_score, needs="activations")
 
     registry = registry_with(("bad-needs", BadNeeds()))
-    assert "bad-needs: needs='activations'; allowed: moments, cross, gram" in registry.broken["bad-needs"]
+    assert "bad-needs: needs='activations'; allowed: moments, output_cross, cross, gram" in registry.broken["bad-needs"]
     assert registry.scorer("variance").provider.startswith("builtin")
 
 

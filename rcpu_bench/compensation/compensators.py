@@ -6,7 +6,8 @@ columns K, dropped columns D, pruned output Z = W_K X_K. With G = Σ x xᵀ = X 
     Y X_Kᵀ = W G[:,K]        M = Y Zᵀ = W G[:,K] W_Kᵀ        ‖Z‖_F² = tr(W_K G_KK W_Kᵀ)
 
 and, since W G[:,K] = W_K G_KK + W_D G_DK, the part of Y X_Kᵀ that pruning loses is R = W_D G_DK
-(d_out·|D|·k flops instead of d_out·d_in·k).
+(d_out·|D|·k flops instead of d_out·d_in·k). With C = Σ y xᵀ, Y X_Kᵀ = C[:,K]; with S = Σ y yᵀ and
+C_D = Σ y x_Dᵀ (D fixed before the pass), Z = Y − W_D X_D gives M = S − C_D W_Dᵀ.
 
 G is a *sum* over the N calibration tokens (not a mean), as in the paper and the official code, so
 the ridge λ has the paper's meaning. Every compensator takes (W, stats, kept, pruned) and returns a
@@ -50,8 +51,8 @@ class Problem:
     """One module's compensation problem in float64 on the statistics' device, with shared products cached.
 
     Only the products a compensator reads are formed, each from the cheapest statistic at hand: Y X_Kᵀ
-    from C's columns K or W G[:,K] (never the full W G), ‖Y‖² from the streamed outputs, and the
-    objective from the blocks G_DD, G_KK.
+    from C's columns K or W G[:,K] (never the full W G), M from S and C_D, ‖Y‖² from the streamed outputs,
+    and the objective from the blocks G_DD, G_KK.
     """
 
     def __init__(self, weight: Tensor, stats: ActivationStats, kept: Tensor):
@@ -68,6 +69,11 @@ class Problem:
         mask[self.kept] = False
         return mask.nonzero().squeeze(1)
 
+    @property
+    def has_yxk(self) -> bool:
+        """Whether Y X_Kᵀ follows from the statistics (C or G; S and C_D give M = Y Zᵀ only)."""
+        return self.stats.cross is not None or self.stats.gram is not None
+
     @cached_property
     def yxk(self) -> Tensor:
         """Y X_Kᵀ (d_out × k): C[:,K] when C = Σ y xᵀ was collected, else W G[:,K]."""
@@ -75,8 +81,24 @@ class Problem:
             return self.stats.cross[:, self.kept]
         if self.stats.gram is None:
             raise ValueError("these statistics have neither the cross statistic C = Σ y xᵀ nor the Gram matrix G; "
-                             "collect one for a compensator that declares needs='cross' or 'gram'")
+                             "collect one for a compensator that declares needs='cross' or 'gram' (S and C_D give "
+                             "only Procrustes' M = Y Zᵀ)")
         return self.w @ self.stats.gram[:, self.kept]
+
+    def yzt(self, dtype: torch.dtype) -> Tensor:
+        """M = Y Zᵀ (d_out × d_out) with products in ``dtype``: Y X_Kᵀ W_Kᵀ, or S − C_D W_Dᵀ from S and C_D."""
+        if self.has_yxk:
+            return self.yxk.to(dtype) @ self.wk.to(dtype).T
+        s, c_d = self.stats.out_gram, self.stats.dropped_cross
+        if s is None or c_d is None:
+            raise ValueError("Procrustes needs M = Y Zᵀ, and these statistics have neither the cross statistic "
+                             "C = Σ y xᵀ, the Gram matrix G = Σ x xᵀ, nor S = Σ y yᵀ with C_D = Σ y x_Dᵀ: collect one")
+        dropped = self.stats.dropped
+        assert dropped is not None
+        if not torch.equal(dropped.to(self.dropped.device), self.dropped):
+            raise ValueError(f"the statistics' S and C_D were collected for dropped columns {dropped.tolist()}, "
+                             f"but this problem drops {self.dropped.tolist()}: collect them for this selection")
+        return s.to(dtype) - c_d.to(dtype) @ self.w[:, self.dropped].to(dtype).T
 
     @cached_property
     def dropped_coupling(self) -> Tensor:
@@ -296,8 +318,9 @@ def rotate(problem: Problem, dtype: torch.dtype, solver: str) -> tuple[Tensor, R
         Q* W_K = U T,   U = argmax_{UᵀU=I} tr(UᵀB) = B (BᵀB)^{-1/2}   (``rotation.polar_columns``),
 
     a k × k eigenproblem instead of d_out × d_out, unique whatever Q* does on span(W_K)⊥, with tr(Q*ᵀM) =
-    tr(UᵀB). When rank B < k (fewer calibration tokens than kept columns) Q* W_K depends on that completion,
-    so the square M is solved (``rotation.polar``), as it is for k ≥ d_out; ``info["span"]`` says which ran.
+    tr(UᵀB) (B = M P when the statistics give M alone: S and C_D). When rank B < k (fewer calibration
+    tokens than kept columns) Q* W_K depends on that completion, so the square M is solved
+    (``rotation.polar``), as it is for k ≥ d_out; ``info["span"]`` says which ran.
     Products are in float32 for ``dtype='float32'`` (as the official code forms Y Aᵀ), else in float64
     (float32 products here moved a ratio-0 model's logits by 1.5e-5); ``rcpu_bench.compensation.rotation``
     documents the solvers and the choice of Q for a rank-deficient M. Q may be a reflection (det −1), as in
@@ -307,23 +330,31 @@ def rotate(problem: Problem, dtype: torch.dtype, solver: str) -> tuple[Tensor, R
     if solver == "official" and dtype != torch.float32:
         raise ValueError(f"solver='official' computes in float32 as the official code; got dtype={dtype}: "
                          "pass dtype='float32'")
-    yxk, wk = problem.yxk.to(dtype), problem.wk.to(dtype)
+    wk = problem.wk.to(dtype)
     d_out, k = wk.shape
     solved = None
     if solver != "official" and k < d_out and problem.stats.n >= k:  # rank B ≤ N
-        solved = _rotate_on_kept_span(yxk, wk, solver)
+        solved = _rotate_on_kept_span(problem, wk, solver)
     if solved is None:
-        result = polar(yxk @ wk.T, solver)
+        result = polar(problem.yzt(dtype), solver)
         result.info["span"] = "outputs"
         solved = result.q @ wk, result
     solved[1].info["compute_dtype"] = str(dtype).removeprefix("torch.")
     return solved
 
 
-def _rotate_on_kept_span(yxk: Tensor, wk: Tensor, solver: str) -> tuple[Tensor, Rotation] | None:
-    """(U T, rotation of U) with W_K = P T and U = polar(Y X_Kᵀ Tᵀ) (``rotate``); None when rank B < k."""
-    factor = torch.linalg.qr(wk, mode="r").R  # W_K = P T, T k × k upper triangular
-    result = polar_columns(yxk @ factor.T, solver)
+def _rotate_on_kept_span(problem: Problem, wk: Tensor, solver: str) -> tuple[Tensor, Rotation] | None:
+    """(U T, rotation of U) with W_K = P T and U = polar(B) (``rotate``); None when rank B < k.
+
+    B = Y X_Kᵀ Tᵀ, or M P when only M = Y Zᵀ = B Pᵀ follows from the statistics (S and C_D).
+    """
+    if problem.has_yxk:
+        factor = torch.linalg.qr(wk, mode="r").R  # W_K = P T, T k × k upper triangular
+        b = problem.yxk.to(wk.dtype) @ factor.T
+    else:
+        basis, factor = torch.linalg.qr(wk)  # P d_out × k
+        b = problem.yzt(wk.dtype) @ basis
+    result = polar_columns(b, solver)
     if result is None:
         return None
     result.info["span"] = "kept columns"

@@ -136,15 +136,33 @@ def post_norm_notes(view: LayerView, module: str, info: dict[str, Any]) -> dict[
     return {"post_norm": True, **({"scale_void": True} if "scale" in info else {})}
 
 
-def _statistics_plan(view: LayerView, needs: dict[str, str], inputs: list[LayerInput], config: PruneConfig
-                     ) -> dict[str, frozenset[str]]:
-    """Per module, the cheapest statistics sufficient for its need over these inputs' tokens (statistics/flops.py)."""
+@dataclass(frozen=True)
+class Plan:
+    """What one module's statistics pass collects: ``kinds`` (statistics/flops.py) and, for "dropped_cross", the
+    dropped columns fixed before the pass."""
+
+    kinds: frozenset[str]
+    dropped: Tensor | None = None
+
+
+def _statistics_plan(view: LayerView, needs: dict[str, str], inputs: list[LayerInput], config: PruneConfig,
+                     allocated: dict[str, Selection | int] | None = None) -> dict[str, Plan]:
+    """Per module, the cheapest statistics sufficient for its need over these inputs' tokens (statistics/flops.py);
+    a module whose units are ``allocated`` before the pass (a Selection) may collect S and C_D over its dropped
+    columns."""
     tokens = sum(x.hidden.shape[:-1].numel() for x in inputs)
     plan = {}
     for module, need in needs.items():
         d_out, d_in = view.projection(module).weight.shape
-        plan[module] = cheapest_statistics(need, tokens, d_out, d_in, expected_kept(d_in, config.ratio),
-                                           config.gram_precision)
+        chosen = (allocated or {}).get(module)
+        if isinstance(chosen, Selection):
+            columns = chosen.columns(view.units(module, config.gqa_rule).unit_size)
+            kinds = cheapest_statistics(need, tokens, d_out, d_in, len(columns.kept), config.gram_precision,
+                                        selected=True)
+            plan[module] = Plan(kinds, columns.pruned if "dropped_cross" in kinds else None)
+        else:
+            plan[module] = Plan(cheapest_statistics(need, tokens, d_out, d_in, expected_kept(d_in, config.ratio),
+                                                    config.gram_precision))
     return plan
 
 
@@ -165,12 +183,13 @@ def _on_device(layer: nn.Module, device: torch.device, offload: bool):
             layer.to("cpu")
 
 
-def _collect(view: LayerView, inputs: list[LayerInput], plan: dict[str, frozenset[str]],
+def _collect(view: LayerView, inputs: list[LayerInput], plan: dict[str, Plan],
              gram_precision: GramPrecision = "mixed") -> tuple[dict[str, ActivationStats], list[Tensor]]:
     """One pass of the layer over the calibration inputs, streaming each planned module's statistics."""
     projections = {m: view.projection(m) for m in plan}
-    with collect_input_stats(projections, with_gram=[m for m, kinds in plan.items() if "gram" in kinds],
-                             with_cross=[m for m, kinds in plan.items() if "cross" in kinds],
+    with collect_input_stats(projections, with_gram=[m for m, p in plan.items() if "gram" in p.kinds],
+                             with_cross=[m for m, p in plan.items() if "cross" in p.kinds],
+                             dropped={m: p.dropped for m, p in plan.items() if p.dropped is not None},
                              gram_precision=gram_precision) as stats:
         outputs = run_layer(view.layer, inputs)
     return stats, outputs
@@ -310,7 +329,7 @@ def _prune_layer(view: LayerView, inputs: list[LayerInput], config: PruneConfig,
                  index: int) -> tuple[dict[str, Any], list[Tensor]]:
     """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
     modules = [m for m in MODULES if m in config.prune]
-    plan = _statistics_plan(view, _needs(modules, config, methods), inputs, config)
+    plan = _statistics_plan(view, _needs(modules, config, methods), inputs, config, allocated)
     with timer("statistics"):
         stats, dense_outputs = _collect(view, inputs, plan, config.gram_precision)
     report: dict[str, Any] = {}
@@ -323,7 +342,7 @@ def _prune_layer(view: LayerView, inputs: list[LayerInput], config: PruneConfig,
         units, count = (planned, None) if isinstance(planned, Selection) else (None, planned)
         report[module] = prune_module(view, module, stats[module], config, methods, timer, units,
                                       held_out[module] if held_out else None, n_prune=count)
-        report[module]["statistics"] = "+".join(sorted(plan[module])) or "moments"
+        report[module]["statistics"] = "+".join(sorted(plan[module].kinds)) or "moments"
     return report, dense_outputs
 
 
@@ -373,7 +392,7 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
         view = layer_view(layer)
         with _on_device(layer, device, config.offload):
             check_parameters(layer, f"layer {index} before pruning")
-            stats, outputs = _collect(view, inputs, dict.fromkeys(modules, frozenset()), config.gram_precision)
+            stats, outputs = _collect(view, inputs, dict.fromkeys(modules, Plan(frozenset())), config.gram_precision)
             for module in modules:
                 _check_statistics(stats[module], index, module)
                 scores = scorer(view.projection(module).weight, stats[module], **params)

@@ -4,10 +4,11 @@ For inputs x ∈ R^{d_in} and bias-free outputs y = W x ∈ R^{d_out} over N cal
 summed in float64,
 
     N,  Σx,  Σ|x|,  Σx²,  ‖Y‖² = Σ‖y‖²  (the moments, always),
-    G = Σ x xᵀ  and/or  C = Σ y xᵀ      (when a compensator needs them, ``statistics/flops.py`` chooses).
+    G = Σ x xᵀ  and/or  C = Σ y xᵀ      (when a compensator needs them, ``statistics/flops.py`` chooses),
+    S = Σ y yᵀ  and  C_D = Σ y x_Dᵀ     (instead, when the dropped columns D are fixed before the pass).
 
 y is the module's own output in the forward hook, minus its bias: C = W G up to the rounding of y in the
-module's dtype (exactly for a float64 module). ‖Y‖² and C are collected in ``"mixed"`` precision only
+module's dtype (exactly for a float64 module). ‖Y‖², C, S and C_D are collected in ``"mixed"`` precision only
 (below): ``"float64"`` is the pure float64 reference path and collects G alone, from which every
 quantity follows (``compensation/compensators.py``).
 
@@ -21,7 +22,8 @@ The moments are always computed in float64. G, the costly part (2·N·d_in² flo
   rounding of a length-n_c dot product and of its result); measured errors are far smaller (see
   ``benchmarks/README.md``). On CUDA, keep ``torch.backends.cuda.matmul.allow_tf32`` off (the default).
   C is accumulated the same way, block row by block row of ``GRAM_BLOCK`` output rows, with the same
-  per-entry bound (|y_i||x_j| in place of |x_i||x_j|).
+  per-entry bound (|y_i||x_j| in place of |x_i||x_j|), and so are S (G's upper block triangle, of the
+  outputs) and C_D (C's columns D).
 * ``"float64"``: every product in float64, the full matrix, as a reference.
 
 Because a linear module's dense output is Y = W X exactly, every quantity the paper's
@@ -98,47 +100,71 @@ class ActivationStats:
     sq_sum: Tensor
     gram_sums: Tensor | None  # G's accumulator; in "mixed" precision its lower triangle is stale until read
     gram_precision: GramPrecision = "mixed"
-    lower_stale: bool = False
+    lower_stale: bool = False  # G's and S's lower triangles await mirroring
     cross: Tensor | None = None  # C = Σ y xᵀ (d_out × d_in), y the bias-free output
     out_sq_sum: Tensor | None = None  # ‖Y‖² = Σ‖y‖² (a float64 scalar), when outputs are seen
+    dropped: Tensor | None = None  # the dropped columns D fixed before the pass, when S and C_D are kept
+    out_gram_sums: Tensor | None = None  # S = Σ y yᵀ (d_out × d_out), upper block triangle until read
+    dropped_cross: Tensor | None = None  # C_D = Σ y x_Dᵀ (d_out × |D|)
 
     @classmethod
     def empty(cls, d_in: int, *, with_gram: bool = True, device: torch.device | str | None = None,
               gram_precision: GramPrecision = "mixed", d_out: int | None = None,
-              with_cross: bool = False) -> ActivationStats:
-        """Zero sums; ``d_out`` (mixed precision only) also keeps ‖Y‖², and ``with_cross`` C, from the outputs."""
+              with_cross: bool = False, dropped: Tensor | None = None) -> ActivationStats:
+        """Zero sums; ``d_out`` (mixed precision only) also keeps ‖Y‖², ``with_cross`` C, and ``dropped`` (the
+        columns D, fixed before the pass) S = Σ y yᵀ and C_D = Σ y x_Dᵀ, from the outputs."""
         check_gram_precision(gram_precision)
         if d_out is not None and gram_precision == "float64":
-            raise ValueError("output statistics (‖Y‖², C = Σ y xᵀ) are collected in gram_precision='mixed' only; "
+            raise ValueError("output statistics (‖Y‖², C = Σ y xᵀ, S = Σ y yᵀ) are collected in gram_precision='mixed' "
+                             "only; "
                              "'float64' is the reference path from G alone: pass d_out=None")
-        if with_cross and d_out is None:
-            raise ValueError("with_cross=True needs the output width d_out")
+        if (with_cross or dropped is not None) and d_out is None:
+            raise ValueError("C = Σ y xᵀ (with_cross) and S, C_D (dropped) need the output width d_out")
+        if dropped is not None:
+            dropped = torch.as_tensor(dropped, dtype=torch.long, device=device)
+            if dropped.ndim != 1 or (len(dropped) and not 0 <= int(dropped.min()) <= int(dropped.max()) < d_in):
+                raise ValueError(f"dropped columns must be a list of indices in [0, {d_in}), got {dropped.tolist()}")
 
         def zeros(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=torch.float64, device=device)
 
         return cls(0, zeros(d_in), zeros(d_in), zeros(d_in), zeros(d_in, d_in) if with_gram else None,
                    gram_precision, cross=zeros(d_out, d_in) if with_cross and d_out else None,
-                   out_sq_sum=zeros() if d_out is not None else None)
+                   out_sq_sum=zeros() if d_out is not None else None, dropped=dropped,
+                   out_gram_sums=zeros(d_out, d_out) if dropped is not None and d_out else None,
+                   dropped_cross=zeros(d_out, len(dropped)) if dropped is not None and d_out else None)
 
     @classmethod
     def from_activations(cls, x: Tensor, *, with_gram: bool = True, gram_precision: GramPrecision = "mixed",
-                         outputs: Tensor | None = None, with_cross: bool = False) -> ActivationStats:
+                         outputs: Tensor | None = None, with_cross: bool = False,
+                         dropped: Tensor | None = None) -> ActivationStats:
         """Statistics of a stored activation matrix ``x`` of shape (N, d_in) (or (..., d_in)), and of the
         module's bias-free ``outputs`` (N, d_out) when given."""
         d_out = None if outputs is None else outputs.shape[-1]
         stats = cls.empty(x.shape[-1], with_gram=with_gram, device=x.device, gram_precision=gram_precision,
-                          d_out=d_out, with_cross=with_cross)
+                          d_out=d_out, with_cross=with_cross, dropped=dropped)
         stats.update(x, outputs)
         return stats
 
     @property
     def gram(self) -> Tensor | None:
         """G = Σ x xᵀ (float64, symmetric), or None if it was not collected."""
-        if self.gram_sums is not None and self.lower_stale:
-            mirror_upper(self.gram_sums)
-            self.lower_stale = False
+        self._mirror_stale()
         return self.gram_sums
+
+    @property
+    def out_gram(self) -> Tensor | None:
+        """S = Σ y yᵀ (float64, symmetric), or None if it was not collected."""
+        self._mirror_stale()
+        return self.out_gram_sums
+
+    def _mirror_stale(self) -> None:
+        """Mirror the upper block triangles of G and S (mixed precision writes only those) onto the lower ones."""
+        if self.lower_stale:
+            for sums in (self.gram_sums, self.out_gram_sums):
+                if sums is not None:
+                    mirror_upper(sums)
+            self.lower_stale = False
 
     @property
     def d_in(self) -> int:
@@ -150,8 +176,10 @@ class ActivationStats:
 
     @property
     def kinds(self) -> frozenset[str]:
-        """Which of the costly statistics were collected: a subset of {"gram", "cross"}."""
-        return frozenset(name for name, t in (("gram", self.gram_sums), ("cross", self.cross)) if t is not None)
+        """Which of the costly statistics were collected: a subset of {"gram", "cross", "dropped_cross"} (the last
+        is S and C_D)."""
+        return frozenset(name for name, t in (("gram", self.gram_sums), ("cross", self.cross),
+                                              ("dropped_cross", self.dropped_cross)) if t is not None)
 
     def update(self, x: Tensor, outputs: Tensor | None = None) -> None:
         """Fold a batch of inputs (..., d_in), and the module's bias-free outputs (..., d_out), into the sums."""
@@ -186,23 +214,30 @@ class ActivationStats:
             self.sq_sum += wide.square().sum(0)
 
     def _update_outputs(self, outs: Tensor, rows: Tensor) -> None:
-        """‖Y‖² (float64 squares) and C (mixed: block products in float32 or the chunk's wider dtype)."""
+        """‖Y‖² (float64 squares), C, S and C_D (mixed: block products in float32 or the chunk's wider dtype)."""
         assert self.out_sq_sum is not None
         for start in range(0, outs.shape[0], MOMENT_BLOCK):
             self.out_sq_sum += outs[start : start + MOMENT_BLOCK].to(torch.float64).square().sum()
+        dtype = torch.promote_types(torch.promote_types(rows.dtype, outs.dtype), torch.float32)
         if self.cross is not None:
-            dtype = torch.promote_types(torch.promote_types(rows.dtype, outs.dtype), torch.float32)
             add_cross(self.cross, outs.to(dtype), rows.to(dtype))
+        if self.dropped_cross is not None:
+            assert self.out_gram_sums is not None and self.dropped is not None
+            wide = outs.to(dtype)
+            add_gram_upper(self.out_gram_sums, wide)
+            self.lower_stale = True
+            add_cross(self.dropped_cross, wide, rows[:, self.dropped].to(dtype))
 
     def merge(self, other: ActivationStats) -> None:
         """Add another accumulator's sums into this one (e.g. from another device or worker)."""
         if (other.d_in != self.d_in or other.kinds != self.kinds
                 or (other.out_sq_sum is None) != (self.out_sq_sum is None)
-                or (other.cross is not None and (self.cross is None or other.cross.shape != self.cross.shape))):
-            raise ValueError("cannot merge statistics of different widths or kinds")
+                or (other.cross is not None and (self.cross is None or other.cross.shape != self.cross.shape))
+                or not _same_columns(self.dropped, other.dropped)):
+            raise ValueError("cannot merge statistics of different widths, kinds or dropped columns")
         self.n += other.n
-        names = ("sum", "abs_sum", "sq_sum") + tuple(
-            name for name in ("gram", "cross", "out_sq_sum") if getattr(self, name) is not None)
+        optional = ("gram", "cross", "out_sq_sum", "out_gram", "dropped_cross")
+        names = ("sum", "abs_sum", "sq_sum") + tuple(name for name in optional if getattr(self, name) is not None)
         for name in names:
             getattr(self, name).add_(getattr(other, name).to(self.device))
 
@@ -245,6 +280,10 @@ class ActivationStats:
             raise ValueError("these statistics were collected without the Gram matrix G = Σ x xᵀ; "
                              "collect with with_gram=True for compensators that need it")
         return self.gram
+
+
+def _same_columns(a: Tensor | None, b: Tensor | None) -> bool:
+    return (a is None) == (b is None) and (a is None or b is None or torch.equal(a.cpu(), b.cpu()))
 
 
 def _names(modules: Mapping[str, nn.Linear], which: Iterable[str] | bool) -> set[str]:
@@ -311,16 +350,18 @@ class PendingTokens:
 
 @contextmanager
 def collect_input_stats(modules: Mapping[str, nn.Linear], *, with_gram: Iterable[str] | bool = True,
-                        with_cross: Iterable[str] | bool = False,
+                        with_cross: Iterable[str] | bool = False, dropped: Mapping[str, Tensor] | None = None,
                         gram_precision: GramPrecision = "mixed") -> Iterator[dict[str, ActivationStats]]:
     """Stream input (and output) statistics of each named module while the block runs.
 
     Yields a dict name -> ActivationStats, filled by forward hooks and complete when the context exits
     (short batches are gathered up to ``CHUNK_TOKENS`` tokens first: :class:`PendingTokens`); ``with_gram``
     and ``with_cross`` say for which modules G and C are needed (True/False for all, or a collection of
-    names), ``gram_precision`` how they are accumulated (module docstring). In "mixed" precision every
-    module also keeps ‖Y‖² of its bias-free output.
+    names), ``dropped`` for which modules S and C_D over the given dropped columns, ``gram_precision`` how
+    they are accumulated (module docstring). In "mixed" precision every module also keeps ‖Y‖² of its
+    bias-free output.
     """
+    dropped = dropped or {}
     gram, cross = _names(modules, with_gram), _names(modules, with_cross)
     stats: dict[str, ActivationStats] = {}
     pending: list[PendingTokens] = []
@@ -330,7 +371,8 @@ def collect_input_stats(modules: Mapping[str, nn.Linear], *, with_gram: Iterable
         outputs = gram_precision == "mixed"
         stats[name] = ActivationStats.empty(weight.shape[1], with_gram=name in gram, device=weight.device,
                                             gram_precision=gram_precision,
-                                            d_out=weight.shape[0] if outputs else None, with_cross=name in cross)
+                                            d_out=weight.shape[0] if outputs else None, with_cross=name in cross,
+                                            dropped=dropped.get(name))
         pending.append(PendingTokens(stats[name]))
 
         def hook(module: nn.Linear, args: tuple[Tensor, ...], output: Tensor, held: PendingTokens = pending[-1],
