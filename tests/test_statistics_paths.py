@@ -23,6 +23,8 @@ from tiny_models import tiny_config, tiny_model, tokens
 from torch import nn
 
 import rcpu_bench.statistics.activations as stats_module
+import rcpu_bench.statistics.flops as flops_module
+from rcpu_bench import hookspecs
 from rcpu_bench.compensation import compensators as C
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
@@ -213,6 +215,12 @@ def test_the_collected_set_is_the_flop_minimum(need, sufficient, n, d_out, d_in,
     chosen = cheapest_statistics(need, n, d_out, d_in, k, selected=selected)
     assert costs[chosen] == min(costs.values()) == statistics_flops(chosen, need, n, d_out, d_in, k)
     assert cheapest_statistics(need, n, d_out, d_in, k, "float64", selected=selected) == {"gram"}
+
+
+def test_the_flop_model_orders_the_public_needs():
+    """Every need a plugin may declare has its sufficient sets, in the order of ``hookspecs.NEEDS``."""
+    assert flops_module.NEEDS == hookspecs.NEEDS and set(flops_module.SUFFICIENT) == set(hookspecs.NEEDS)
+    assert flops_module.strongest("cross", "output_cross", "moments") == "cross"
 
 
 def test_llama_7b_shapes_choose_g_for_o_proj_and_c_for_down_proj():
