@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -165,8 +166,11 @@ sys.exit(cli.main(sys.argv[1:]))
 @needs_stories
 def test_sigint_during_prune_exits_130_without_traceback_or_record(tmp_path):
     out = tmp_path / "r.jsonl"
+    # The child starts with SIGINT at its default, as under a terminal: a suite run as a background job (`make
+    # test &`, nohup) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
     done = subprocess.run([sys.executable, "-c", SIGINT_DURING_EVALUATION, *PRUNE, "--quiet", "--out", str(out),
-                           "--save", str(tmp_path / "pruned")], capture_output=True, text=True, env=os.environ)
+                           "--save", str(tmp_path / "pruned")], capture_output=True, text=True, env=os.environ,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert done.returncode == 130
     assert done.stderr == "rcpu-bench: interrupted\n" and "Traceback" not in done.stdout
     assert not out.exists() and not (tmp_path / "pruned").exists()
