@@ -155,14 +155,12 @@ def _statistics_plan(view: LayerView, needs: dict[str, str], inputs: list[LayerI
     for module, need in needs.items():
         d_out, d_in = view.projection(module).weight.shape
         chosen = (allocated or {}).get(module)
-        if isinstance(chosen, Selection):
-            columns = chosen.columns(view.units(module, config.gqa_rule).unit_size)
-            kinds = cheapest_statistics(need, tokens, d_out, d_in, len(columns.kept), config.gram_precision,
-                                        selected=True)
-            plan[module] = Plan(kinds, columns.pruned if "dropped_cross" in kinds else None)
-        else:
-            plan[module] = Plan(cheapest_statistics(need, tokens, d_out, d_in, expected_kept(d_in, config.ratio),
-                                                    config.gram_precision))
+        columns = (chosen.columns(view.units(module, config.gqa_rule).unit_size) if isinstance(chosen, Selection)
+                   else None)
+        kept = expected_kept(d_in, config.ratio) if columns is None else len(columns.kept)
+        kinds = cheapest_statistics(need, tokens, d_out, d_in, kept, config.gram_precision,
+                                    selected=columns is not None)
+        plan[module] = Plan(kinds, columns.pruned if columns is not None and "dropped_cross" in kinds else None)
     return plan
 
 

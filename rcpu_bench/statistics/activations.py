@@ -283,7 +283,9 @@ class ActivationStats:
 
 
 def _same_columns(a: Tensor | None, b: Tensor | None) -> bool:
-    return (a is None) == (b is None) and (a is None or b is None or torch.equal(a.cpu(), b.cpu()))
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a.cpu(), b.cpu())
 
 
 def _names(modules: Mapping[str, nn.Linear], which: Iterable[str] | bool) -> set[str]:
