@@ -121,6 +121,23 @@ def test_mixed_gram_is_within_float32_rounding_of_float64(d_in, n_tokens, block,
     assert ((mixed - exact).abs() <= bound * (1 + 1e-9) + 1e-300).all()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 12), st.integers(1, 40), st.integers(0, 10_000))
+def test_add_product_in_slices_equals_one_add_of_the_float32_product(d_left, d_right, n_tokens, add_slice, seed):
+    """sums + leftᵀ right, added slice by slice, is bit for bit the one-step add; the float32 product itself
+    is within (n + 1)·u·(|L|ᵀ|R|) of the float64 product."""
+    g = torch.Generator().manual_seed(seed)
+    left, right = torch.randn(n_tokens, d_left, generator=g), torch.randn(n_tokens, d_right, generator=g)
+    start = torch.randn(d_left, d_right, generator=g, dtype=F64)
+    sliced = start.clone()
+    with mock.patch.object(stats_module, "ADD_SLICE", add_slice):
+        stats_module.add_product(sliced, left, right)
+    assert torch.equal(sliced, start + (left.T @ right).to(F64))
+    l64, r64 = left.to(F64), right.to(F64)
+    bound = (n_tokens + 1) * UNIT_ROUNDOFF_F32 * (l64.abs().T @ r64.abs()) + 4 * 2.0**-53 * start.abs()
+    assert ((sliced - (start + l64.T @ r64)).abs() <= bound * (1 + 1e-9) + 1e-300).all()
+
+
 def test_unknown_gram_precision_is_rejected():
     with pytest.raises(ValueError, match="gram_precision='float16'; allowed: mixed, float64"):
         ActivationStats.empty(3, gram_precision="float16")
