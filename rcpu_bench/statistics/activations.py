@@ -48,7 +48,8 @@ CHUNK_TOKENS = 4096
 # Tokens per float64 block of the moments: a 64 × d_in float64 copy stays small enough to be reused by the
 # allocator (a whole chunk's float64 copy and its temporaries cost 13x as much, measured at d_in = 11,008).
 MOMENT_BLOCK = 64
-# Rows of G per block of the upper-triangle product (measured on a 2-core Zen 3: 1024 beats 512 and 2048).
+# Rows of G per block of the upper-triangle product (2-core Zen 3: 512, 1024 and 2048 within noise of each other;
+# benchmarks/README.md, "Accumulation block").
 GRAM_BLOCK = 1024
 # Elements of a block product added into a float64 sum per step. Adding a whole float32 block converts it into a
 # float64 temporary as large as the block, which the CPU allocator maps fresh from the OS every time (a 1024 ×
