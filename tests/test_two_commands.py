@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,3 +40,48 @@ def test_make_run_is_the_smoke_matrix_and_make_test_the_suite():
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^run: setup\n\t\$\(BIN\)/rcpu-bench run --matrix smoke$", makefile, flags=re.M)
     assert re.search(r"^test: setup setup-gguf\n\t\$\(BIN\)/python -m pytest tests plugins", makefile, flags=re.M)
+
+
+def ci_commands() -> list[str]:
+    lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
+def test_ci_runs_make_run_in_its_fresh_clone_before_anything_writes_into_it():
+    """`two-commands --here` refuses a checkout with untracked or ignored files, so it must come before the floors
+    job (which makes .venv-floors) and the setup."""
+    commands = ci_commands()
+    here = commands.index("bash .ci/two-commands --here")
+    assert here < commands.index("bash .ci/floors") and here < commands.index("make setup")
+
+
+def copy_of_two_commands(tmp_path: Path) -> Path:
+    """A git repository holding only .ci/two-commands, committed (what the script checks is the checkout)."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    shutil.copy(ROOT / ".ci" / "two-commands", repo / ".ci" / "two-commands")
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(["git", *args], cwd=repo, check=True)
+    return repo
+
+
+@pytest.mark.parametrize("leftover", [".venv/bin/python", "results/smoke/records.jsonl", ".ci/two-commands"])
+def test_two_commands_here_refuses_a_checkout_that_is_not_a_fresh_clone(tmp_path, leftover):
+    """A left-over .venv or results/smoke (or a change to a tracked file) would let `make run` reuse what an earlier
+    run left: refused with the files named, before `make run`."""
+    repo = copy_of_two_commands(tmp_path)
+    (repo / leftover).parent.mkdir(parents=True, exist_ok=True)
+    with open(repo / leftover, "a") as f:
+        f.write("# left over\n")
+    done = subprocess.run(["bash", ".ci/two-commands", "--here"], cwd=repo, capture_output=True, text=True,
+                          env={**os.environ, "RCPU_BENCH_SHARED": str(tmp_path)})
+    assert done.returncode == 2
+    assert "needs a fresh clone" in done.stderr and leftover.split("/")[0] in done.stderr
+    assert "make" not in done.stdout
+
+
+def test_two_commands_refuses_an_unknown_argument(tmp_path):
+    repo = copy_of_two_commands(tmp_path)
+    done = subprocess.run(["bash", ".ci/two-commands", "--elsewhere"], cwd=repo, capture_output=True, text=True,
+                          env={**os.environ, "RCPU_BENCH_SHARED": str(tmp_path)})
+    assert done.returncode == 2 and "usage: bash .ci/two-commands [--here]; got --elsewhere" in done.stderr
