@@ -26,25 +26,24 @@ def make_targets() -> set[str]:
     return set(re.findall(r"^([a-z-]+):", (ROOT / "Makefile").read_text(encoding="utf-8"), flags=re.M))
 
 
+def ci_commands() -> list[str]:
+    lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
 def test_readme_first_screen_has_exactly_the_two_make_commands():
     assert first_screen_commands() == ["make run", "make test"]
     assert {"run", "test"} <= make_targets()
 
 
 def test_ci_runs_the_readme_test_command():
-    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
-    assert any(line.split("#")[0].strip() == "make test" for line in ci)
+    assert "make test" in ci_commands()
 
 
 def test_make_run_is_the_smoke_matrix_and_make_test_the_suite():
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^run: setup\n\t\$\(BIN\)/rcpu-bench run --matrix smoke$", makefile, flags=re.M)
     assert re.search(r"^test: setup setup-gguf\n\t\$\(BIN\)/python -m pytest tests plugins", makefile, flags=re.M)
-
-
-def ci_commands() -> list[str]:
-    lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
-    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
 
 
 def test_ci_runs_make_run_in_its_fresh_clone_before_anything_writes_into_it():
