@@ -48,10 +48,13 @@ def test_make_run_is_the_smoke_matrix_and_make_test_the_suite():
 
 def test_ci_runs_make_run_in_its_fresh_clone_before_anything_writes_into_it():
     """`two-commands --here` refuses a checkout with untracked or ignored files, so it must come before the floors
-    job (which makes .venv-floors) and the setup."""
+    job and the setup; only the floors' dependency install runs beside it, into a venv outside the clone."""
     commands = ci_commands()
     here = commands.index("bash .ci/two-commands --here")
     assert here < commands.index("bash .ci/floors") and here < commands.index("make setup")
+    beside = [i for i, line in enumerate(commands) if line.startswith("bash .ci/floors --deps-only")]
+    venv = [i for i, line in enumerate(commands) if line.startswith('export RCPU_FLOORS_VENV="$floors_dir/')]
+    assert beside and venv and venv[0] < beside[0] < here and 'floors_dir="$(mktemp -d)"' in commands[:venv[0]]
 
 
 def copy_of_two_commands(tmp_path: Path) -> Path:
