@@ -87,3 +87,15 @@ def test_two_commands_refuses_an_unknown_argument(tmp_path):
     done = subprocess.run(["bash", ".ci/two-commands", "--elsewhere"], cwd=repo, capture_output=True, text=True,
                           env={**os.environ, "RCPU_BENCH_SHARED": str(tmp_path)})
     assert done.returncode == 2 and "usage: bash .ci/two-commands [--here]; got --elsewhere" in done.stderr
+
+
+def test_ci_exits_0_when_the_floors_install_beside_make_run_has_finished(tmp_path):
+    """.ci/run's EXIT trap stops the floors' dependency install if it still runs and removes its folder; after the
+    install has finished (the normal case) it must leave CI's exit status 0 under ``set -e``."""
+    trap = next(line for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+                if line.startswith("trap "))
+    script = (f'set -euo pipefail\nfloors_dir="$(mktemp -d -p {tmp_path})"\ntrue &\nfloors_deps=$!\n'
+              f'wait "$floors_deps"\n{trap}\necho done\n')
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "done\n"), done.stderr
+    assert not list(tmp_path.iterdir())
