@@ -89,6 +89,15 @@ def test_two_commands_refuses_an_unknown_argument(tmp_path):
     assert done.returncode == 2 and "usage: bash .ci/two-commands [--here]; got --elsewhere" in done.stderr
 
 
+def test_ci_runs_the_house_rules_beside_the_floors_and_waits_for_them_before_the_tests():
+    commands = ci_commands()
+    lint = next(i for i, line in enumerate(commands) if line.startswith("bash .ci/lint"))
+    waited = next(i for i, line in enumerate(commands) if line.startswith('wait "$lint" ||'))
+    floors, tests = commands.index("bash .ci/floors"), commands.index("make test")
+    assert commands.index("make setup") < lint < floors < waited < tests
+    assert "exit 1" in commands[waited]
+
+
 def test_ci_exits_0_when_the_floors_install_beside_make_run_has_finished(tmp_path):
     """.ci/run's EXIT trap stops the floors' dependency install if it still runs and removes its folder; after the
     install has finished (the normal case) it must leave CI's exit status 0 under ``set -e``."""
