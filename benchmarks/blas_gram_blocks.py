@@ -36,13 +36,9 @@ def main() -> None:
     x = torch.randn(args.tokens, args.d_in, generator=torch.Generator().manual_seed(0))
     x_np = x.numpy()  # the same memory
 
-    def torch_blocks() -> None:
+    def upper_blocks(a) -> None:  # a torch tensor or a NumPy array: the same slicing and product
         for start in range(0, args.d_in, GRAM_BLOCK):
-            x[:, start : start + GRAM_BLOCK].T @ x[:, start:]
-
-    def numpy_blocks() -> None:
-        for start in range(0, args.d_in, GRAM_BLOCK):
-            x_np[:, start : start + GRAM_BLOCK].T @ x_np[:, start:]
+            a[:, start : start + GRAM_BLOCK].T @ a[:, start:]
 
     torch_blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
     numpy_blas = numpy.__config__.CONFIG["Build Dependencies"]["blas"]
@@ -50,9 +46,9 @@ def main() -> None:
              f"numpy ({numpy_blas['name']} {numpy_blas.get('version', '')})")
     times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.rounds):
-        for name, run in zip(times, (torch_blocks, numpy_blocks)):
+        for name, a in zip(times, (x, x_np)):
             start = time.perf_counter()
-            run()
+            upper_blocks(a)
             times[name].append(time.perf_counter() - start)
     flops = args.tokens * args.d_in**2  # the upper block triangle: N·d_in² (statistics/flops.py)
     print(f"{os.uname().machine}, {args.threads} threads, chunk {args.tokens} x {args.d_in}, blocks of {GRAM_BLOCK}; "

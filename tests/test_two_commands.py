@@ -101,8 +101,7 @@ def test_ci_runs_the_house_rules_beside_the_floors_and_waits_for_them_before_the
 def test_ci_exits_0_when_the_floors_install_beside_make_run_has_finished(tmp_path):
     """.ci/run's EXIT trap stops the floors' dependency install if it still runs and removes its folder; after the
     install has finished (the normal case) it must leave CI's exit status 0 under ``set -e``."""
-    trap = next(line for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
-                if line.startswith("trap "))
+    trap = next(line for line in ci_commands() if line.startswith("trap "))
     script = (f'set -euo pipefail\nfloors_dir="$(mktemp -d -p {tmp_path})"\ntrue &\nfloors_deps=$!\n'
               f'wait "$floors_deps"\n{trap}\necho done\n')
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
