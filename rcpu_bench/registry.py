@@ -22,6 +22,7 @@ import torch
 
 from rcpu_bench import hookspecs, strict_json
 from rcpu_bench.compensation.rotation import tolerance as orthogonality_tolerance
+from rcpu_bench.finite import count_non_finite
 from rcpu_bench.hookspecs import (
     NEEDS,
     AllocationEntry,
@@ -197,7 +198,7 @@ def _check_compensation(result: Any, weight: torch.Tensor, _stats: Any, kept: to
         return f"returned a weight of shape {tuple(result.weight.shape)}, expected {expected}"
     if result.bias is not None and tuple(result.bias.shape) != (weight.shape[0],):
         return f"returned a bias of shape {tuple(result.bias.shape)}, expected ({weight.shape[0]},)"
-    if not torch.isfinite(result.weight).all() or (result.bias is not None and not torch.isfinite(result.bias).all()):
+    if count_non_finite(result.weight) or (result.bias is not None and count_non_finite(result.bias)):
         return "returned NaN or infinite weights"
     info = getattr(result, "info", {})
     if not isinstance(info, dict) or (bad := strict_json.problem(info, "info")):

@@ -6,6 +6,8 @@ import copy
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from tiny_models import STORIES, needs_stories, tiny_config, tiny_model, tokens
 from transformers import AutoTokenizer
@@ -118,3 +120,14 @@ def test_a_finite_model_passes_every_check():
 def test_non_finite_values_are_counted_in_any_chunk_size(chunk):
     values = torch.tensor([[1.0, NAN, 2.0], [INF, 0.0, -INF], [3.0, 4.0, NAN]])
     assert count_non_finite(values, chunk) == 4 == sum(not math.isfinite(v) for v in values.flatten().tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.one_of(st.floats(width=32), st.sampled_from([3e38, -3e38, 6e4, -6e4])), max_size=40),
+       dtype=st.sampled_from([torch.float64, torch.float32, torch.float16, torch.bfloat16]),
+       chunk=st.integers(1, 50))
+def test_non_finite_count_matches_an_entrywise_count(values, dtype, chunk):
+    """Also where finite entries overflow the one-sum fast path (3e38 + 3e38 in float32, 6e4 + 6e4 in float16)."""
+    tensor = torch.tensor(values, dtype=torch.float64).to(dtype)
+    expected = sum(not math.isfinite(v) for v in tensor.tolist())
+    assert count_non_finite(tensor, chunk) == expected

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from rcpu_bench.compensation.rotation import Rotation, polar, polar_columns
+from rcpu_bench.finite import count_non_finite
 from rcpu_bench.statistics.activations import ActivationStats
 
 # The paper's λ grid: 10^-6 … 10^6, 13 values.
@@ -186,7 +187,7 @@ class Problem:
         of ``new_weight``. ``new_weight``, ``bias`` and ``after`` are positional, so that any other name can be a key of
         ``info``.
         """
-        if not torch.isfinite(new_weight).all() or (bias is not None and not torch.isfinite(bias).all()):
+        if count_non_finite(new_weight) or (bias is not None and count_non_finite(bias)):
             raise FloatingPointError("compensation produced NaN or infinite weights")
 
         def cast(t: Tensor) -> Tensor:
