@@ -4,6 +4,8 @@ The code under test only sees the streamed statistics (G = X Xᵀ, Σx); every r
 computed from the matrices themselves: SVD of Y Zᵀ, least squares on X_K, residual norms of Y − W̃ X_K.
 """
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rcpu_bench.compensation import compensators as C
+from rcpu_bench.statistics import activations
 from rcpu_bench.statistics.activations import ActivationStats
 
 F64 = torch.float64
@@ -343,8 +346,19 @@ COMPENSATORS = {
 }
 
 
+@pytest.fixture(params=[None, 2], ids=["block-default", "block-2"])
+def gram_block(request):
+    """The block size of the upper-block-triangle Grams (G, W_DᵀW_D, T Tᵀ in ridge, MᵀM in the rotation); 2 gives
+    these small problems several blocks, so that a triangle left unmirrored changes the result."""
+    if request.param is None:
+        yield
+    else:
+        with mock.patch.object(activations, "GRAM_BLOCK", request.param):
+            yield
+
+
 @pytest.mark.parametrize("name", list(COMPENSATORS))
-def test_objective_info_equals_direct_errors(case, name):
+def test_objective_info_equals_direct_errors(case, name, gram_block):
     W, X, K, D = case
     Y = Y_of(W, X)
     out = COMPENSATORS[name](W, stats_of(X), K, D)
@@ -354,7 +368,7 @@ def test_objective_info_equals_direct_errors(case, name):
                                                          abs=1e-10 * scale)
 
 
-def test_ridge_grid_objective_info_equals_direct_errors(case):
+def test_ridge_grid_objective_info_equals_direct_errors(case, gram_block):
     W, X, K, D = case
     Y = Y_of(W, X)
     scale = error(Y, 0 * W[:, K], X[K])

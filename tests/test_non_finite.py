@@ -6,9 +6,9 @@ import copy
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 from tiny_models import STORIES, needs_stories, tiny_config, tiny_model, tokens
 from transformers import AutoTokenizer
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from rcpu_bench.compensation.rotation import Rotation, polar, polar_columns
 from rcpu_bench.finite import count_non_finite
-from rcpu_bench.statistics.activations import ActivationStats
+from rcpu_bench.statistics.activations import ActivationStats, gram_of
 
 # The paper's λ grid: 10^-6 … 10^6, 13 values.
 LAMBDA_GRID: tuple[float, ...] = tuple(10.0**e for e in range(-6, 7))
@@ -140,8 +140,7 @@ class Problem:
     @cached_property
     def dropped_gram(self) -> Tensor:
         """W_DᵀW_D (|D| × |D|)."""
-        w_d = self.w[:, self.dropped]
-        return w_d.T @ w_d
+        return gram_of(self.w[:, self.dropped])
 
     @cached_property
     def pruned_error(self) -> Tensor:
@@ -284,7 +283,7 @@ def ridge_correction(problem: Problem, factor: Tensor) -> tuple[Tensor, Callable
     if len(problem.dropped) < problem.w.shape[0]:
         s, t = _solve_right(g_dk, factor)
         delta = w_d @ s.to(torch.float64)
-        return delta, lambda: (problem.dropped_gram * (t @ t.T).to(torch.float64)).sum()
+        return delta, lambda: (problem.dropped_gram * gram_of(t.T).to(torch.float64)).sum()
     delta, t = _solve_right(w_d @ g_dk, factor)
     return delta.to(torch.float64), lambda: t.to(torch.float64).square().sum()
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rcpu_bench.statistics.activations import add_gram_upper, mirror_upper
+from rcpu_bench.statistics.activations import gram_of
 
 SOLVERS = ("auto", "eigh", "svd", "official")
 # The order n from which "auto" runs eigh rather than the SVD on the CPU (module docstring; measured idle).
@@ -79,7 +79,7 @@ def tolerance(n: int, dtype: torch.dtype) -> float:
 
 def orthogonality_error(q: Tensor) -> float:
     """‖QᵀQ − I‖_F computed in float64, so that it measures Q and not the rounding of the check."""
-    gram = _gram(q.to(torch.float64), full=True)
+    gram = gram_of(q.to(torch.float64))
     gram.diagonal().sub_(1)
     return float(gram.norm())
 
@@ -191,7 +191,7 @@ def _eigh_polar(m: Tensor, complete: bool = True) -> tuple[Tensor, Tensor, int, 
     full-rank-like M.)
     """
     k, target = m.shape[1], tolerance(m.shape[0], m.dtype)
-    evals, v = torch.linalg.eigh(_gram(m, full=False), UPLO="U")  # ascending
+    evals, v = torch.linalg.eigh(gram_of(m, full=False), UPLO="U")  # ascending
     cut = k * torch.finfo(m.dtype).eps * float(evals[-1])
     near = int(((evals > cut) & (evals < cut * UNRESOLVED)).sum())
     if near:
@@ -215,16 +215,6 @@ def _eigh_polar(m: Tensor, complete: bool = True) -> tuple[Tensor, Tensor, int, 
         q, more, error = _polish(_refine(q, m, v, norms, first), target)
         steps, asymmetry = steps + more, _asymmetry(q, m)
     return q, norms.sum(), steps, error, asymmetry
-
-
-def _gram(m: Tensor, full: bool) -> Tensor:
-    """MᵀM (k × k) from its upper block triangle, at about half the flops of a full product; mirrored to the
-    lower triangle when ``full``."""
-    gram = m.new_zeros(m.shape[1], m.shape[1])
-    add_gram_upper(gram, m)
-    if full:
-        mirror_upper(gram)
-    return gram
 
 
 def _asymmetry(q: Tensor, m: Tensor) -> float:
@@ -282,7 +272,7 @@ def _polish(q: Tensor, target: float) -> tuple[Tensor, int, float]:
     """
     previous = float("inf")
     for step in range(MAX_POLISH_STEPS + 1):
-        e = _gram(q, full=True)
+        e = gram_of(q)
         e.diagonal().sub_(1)
         error = float(e.norm())
         if error <= target or not error < min(1.0, previous) or step == MAX_POLISH_STEPS:
