@@ -248,6 +248,23 @@ def test_float32_m_gives_an_orthogonal_float32_q():
     assert float((out.q.to(F64) - reference(m, 208)[0]).norm()) <= 1e-3
 
 
+@pytest.mark.usefixtures("auto_is_eigh")
+@settings(max_examples=40, deadline=None)
+@given(st.integers(8, 64), st.floats(0, 2), st.integers(0, 10_000))
+def test_float32_m_is_polished_to_float32s_tolerance_only(n, log10_cond, seed):
+    """A float32 M (condition ≤ 100): eigh's float64 Q already meets float32's checks (initial error
+    ~κ²·n·eps64 ≪ c·n·eps32), so no Newton–Schulz step runs, and the float32 Q is the float64 polar
+    factor of that M up to rounding Q to float32 (‖·‖_F ≤ √n·eps32)."""
+    m32 = make_m(n, n, log10_cond, seed)[0].to(F32)
+    out = R.polar(m32)
+    tol = R.tolerance(n, F32)
+    assert out.info["solver"] == "eigh" and out.info["polish_steps"] == 0
+    assert out.q.dtype == F32 and orth_error(out.q) <= tol and out.info["asymmetry"] <= tol
+    q_ref, _ = reference(m32.to(F64), n)
+    bound = n**0.5 * torch.finfo(F32).eps + 100 * n * EPS64 * 10 ** (2 * log10_cond)
+    assert float((out.q.to(F64) - q_ref).norm()) <= bound
+
+
 def test_newton_schulz_squares_the_error_each_step():
     """E' = −¾E² + ¼E³, so ‖E'‖ ≤ ‖E‖² (down to rounding); _polish stops at its target."""
     g = torch.Generator().manual_seed(4)

@@ -7,7 +7,8 @@ Solvers (``solver=``):
 
 * ``eigh``: eigendecomposition of the Gram MᵀM = V Λ Vᵀ in float64 (several times faster than a
   general SVD on a GPU), U_r = M V_r / ‖M V_r‖ column by column, then Newton–Schulz
-  steps until ‖QᵀQ − I‖_F is within ``tolerance``, and refinement steps (``_refine``) that remove the
+  steps until ‖QᵀQ − I‖_F is within ``tolerance`` of M's dtype (a float32 M: float32's, which the float64 Q
+  usually meets unpolished), and refinement steps (``_refine``) that remove the
   Gram matrix's squared conditioning from Q's error. Three checks, each within ``tolerance``:
   orthogonality; backward error ‖QᵀM − MᵀQ‖_F / 2‖M‖_F (QᵀM is symmetric for the polar factor
   only); optimality tr(QᵀM) ≥ (1 − tol) Σᵢ‖M vᵢ‖, where Σᵢ‖M vᵢ‖ ≥ tr(Σ) for any orthonormal basis
@@ -131,7 +132,7 @@ def _solve(m: Tensor, solver: str, complete: bool) -> Rotation | None:
     m64 = m.to(torch.float64)
     if solver == "svd" or (solver == "auto" and auto_solver(m) == "svd"):
         return _svd_rotation(m64, m, "svd", complete)
-    solved = _eigh_polar(m64, complete)
+    solved = _eigh_polar(m64, complete, tolerance(m.shape[0], m.dtype))
     if solved is None:
         return None
     if isinstance(solved, str):
@@ -175,8 +176,11 @@ def _failed_check(rotation: Rotation, m: Tensor) -> str | None:
     return None
 
 
-def _eigh_polar(m: Tensor, complete: bool = True) -> tuple[Tensor, Tensor, int, float, float] | str | None:
-    """Polar factor of M (n × k) from MᵀM = V Λ Vᵀ: Q = U_r V_rᵀ + completion, U_r = M V_r normalised, then polished.
+def _eigh_polar(m: Tensor, complete: bool = True, target: float | None = None
+                ) -> tuple[Tensor, Tensor, int, float, float] | str | None:
+    """Polar factor of M (n × k) from MᵀM = V Λ Vᵀ: Q = U_r V_rᵀ + completion, U_r = M V_r normalised, then polished
+    and refined until orthogonality and backward error are within ``target`` (default: ``tolerance`` of M's dtype;
+    a float32 M given as float64 passes float32's, the tolerance its checks apply to Q rounded to float32).
 
     Returns (Q, upper bound Σᵢ‖M vᵢ‖ of tr Σ, Newton–Schulz steps, ‖QᵀQ − I‖_F, backward error
     ‖QᵀM − MᵀQ‖_F / 2‖M‖_F), in float64; None when rank M < k and not ``complete``; the reason, without
@@ -190,7 +194,8 @@ def _eigh_polar(m: Tensor, complete: bool = True) -> tuple[Tensor, Tensor, int, 
     cannot resolve σ below √(n·eps32)·σ₁ ≈ 0.02·σ₁ at n = 4096: it failed the float32 checks on o_proj- and
     full-rank-like M.)
     """
-    k, target = m.shape[1], tolerance(m.shape[0], m.dtype)
+    k = m.shape[1]
+    target = tolerance(m.shape[0], m.dtype) if target is None else target
     evals, v = torch.linalg.eigh(gram_of(m, full=False), UPLO="U")  # ascending
     cut = k * torch.finfo(m.dtype).eps * float(evals[-1])
     near = int(((evals > cut) & (evals < cut * UNRESOLVED)).sum())
@@ -203,7 +208,7 @@ def _eigh_polar(m: Tensor, complete: bool = True) -> tuple[Tensor, Tensor, int, 
     if rank < k and not complete:
         return None
     first = k - rank
-    u_r = mv[:, first:] / norms[first:]
+    u_r = mv[:, first:].div_(norms[first:])
     q = u_r @ v[:, first:].T
     if rank < k:
         q += _closest_completion(_complement(u_r, v[:, :first]), v[:, :first])
@@ -277,7 +282,7 @@ def _polish(q: Tensor, target: float) -> tuple[Tensor, int, float]:
         error = float(e.norm())
         if error <= target or not error < min(1.0, previous) or step == MAX_POLISH_STEPS:
             return q, step, error
-        q = q - 0.5 * (q @ e)
+        q = torch.addmm(q, q, e, alpha=-0.5)
         previous = error
     raise AssertionError("unreachable")
 
