@@ -176,11 +176,10 @@ def _failed_check(rotation: Rotation, m: Tensor) -> str | None:
     return None
 
 
-def _eigh_polar(m: Tensor, complete: bool = True, target: float | None = None
-                ) -> tuple[Tensor, Tensor, int, float, float] | str | None:
+def _eigh_polar(m: Tensor, complete: bool, target: float) -> tuple[Tensor, Tensor, int, float, float] | str | None:
     """Polar factor of M (n × k) from MᵀM = V Λ Vᵀ: Q = U_r V_rᵀ + completion, U_r = M V_r normalised, then polished
-    and refined until orthogonality and backward error are within ``target`` (default: ``tolerance`` of M's dtype;
-    a float32 M given as float64 passes float32's, the tolerance its checks apply to Q rounded to float32).
+    and refined until orthogonality and backward error are within ``target``: the ``tolerance`` of the dtype M was
+    given in (a float32 M, passed here as float64, gets float32's: its checks apply it to Q rounded to float32).
 
     Returns (Q, upper bound Σᵢ‖M vᵢ‖ of tr Σ, Newton–Schulz steps, ‖QᵀQ − I‖_F, backward error
     ‖QᵀM − MᵀQ‖_F / 2‖M‖_F), in float64; None when rank M < k and not ``complete``; the reason, without
@@ -195,7 +194,6 @@ def _eigh_polar(m: Tensor, complete: bool = True, target: float | None = None
     full-rank-like M.)
     """
     k = m.shape[1]
-    target = tolerance(m.shape[0], m.dtype) if target is None else target
     evals, v = torch.linalg.eigh(gram_of(m, full=False), UPLO="U")  # ascending
     cut = k * torch.finfo(m.dtype).eps * float(evals[-1])
     near = int(((evals > cut) & (evals < cut * UNRESOLVED)).sum())
