@@ -8,6 +8,8 @@ decoder layer, plus one for the embeddings, final norm and head) with ``model.sa
 tokenizer files of a local model (default: the shared ``stories260K``; its 512 ids all lie inside the vocabulary).
 Weights are N(0, 0.02²) (LLaMA's ``initializer_range``), norms are ones, all seeded; tensors are made and
 written one layer at a time, so memory stays near one layer (≈ 0.8 GB in float32 at 7B) whatever the size.
+``--device cuda`` draws the numbers on the GPU (another random stream than the CPU's, as seeded): the CPU
+generator is single-threaded and takes minutes for a full-size model.
 
 A full-size model is large (7B: 27 GB in float32, 13.5 GB in float16), so this is for a machine with the
 disk and memory to prune it; ``--scale`` and ``--layers`` shrink it for a quick check:
@@ -73,15 +75,14 @@ def llama_config(shape: str, scale: float = 1.0, layers: int | None = None) -> L
 
 
 def layer_tensors(config: LlamaConfig, index: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """The float32 tensors of decoder layer ``index`` under their Hugging Face names."""
+    """The float32 tensors of decoder layer ``index`` under their Hugging Face names, on the generator's device."""
     hidden, inner, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
     q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     shapes = {"self_attn.q_proj": (q_out, hidden), "self_attn.k_proj": (kv_out, hidden),
               "self_attn.v_proj": (kv_out, hidden), "self_attn.o_proj": (hidden, q_out),
               "mlp.gate_proj": (inner, hidden), "mlp.up_proj": (inner, hidden), "mlp.down_proj": (hidden, inner)}
     prefix = f"model.layers.{index}."
-    tensors = {f"{prefix}{name}.weight": torch.randn(shape, generator=generator) * INIT_STD
-               for name, shape in shapes.items()}
+    tensors = {f"{prefix}{name}.weight": _normal(shape, generator) for name, shape in shapes.items()}
     norms = ("input_layernorm", "post_attention_layernorm")
     tensors |= {f"{prefix}{norm}.weight": torch.ones(hidden) for norm in norms}
     return tensors
@@ -90,28 +91,37 @@ def layer_tensors(config: LlamaConfig, index: int, generator: torch.Generator) -
 def outer_tensors(config: LlamaConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Embeddings, final norm and LM head (untied as in LLaMA; none when tied, as in Llama-3.2-1B)."""
     vocab, hidden = config.vocab_size, config.hidden_size
-    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator) * INIT_STD,
-               "model.norm.weight": torch.ones(hidden)}
+    tensors = {"model.embed_tokens.weight": _normal((vocab, hidden), generator), "model.norm.weight": torch.ones(hidden)}
     if not config.tie_word_embeddings:
-        tensors["lm_head.weight"] = torch.randn(vocab, hidden, generator=generator) * INIT_STD
+        tensors["lm_head.weight"] = _normal((vocab, hidden), generator)
     return tensors
 
 
-def write_model(out: Path, config: LlamaConfig, dtype: str, tokenizer_from: Path) -> None:
-    """Write config, sharded safetensors (+ index) and tokenizer files to ``out`` (which must not exist yet)."""
+def _normal(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """N(0, INIT_STD²) entries drawn by ``generator`` on its device."""
+    return torch.randn(shape, generator=generator, device=generator.device).mul_(INIT_STD)
+
+
+def write_model(out: Path, config: LlamaConfig, dtype: str, tokenizer_from: Path, device: str = "cpu") -> None:
+    """Write config, sharded safetensors (+ index) and tokenizer files to ``out`` (which must not exist yet), the
+    random numbers drawn on ``device``."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}; allowed: cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; allowed here: cpu")
     missing = [name for name in ("tokenizer.json", "tokenizer_config.json") if not (tokenizer_from / name).is_file()]
     if missing:
         raise FileNotFoundError(f"tokenizer source {tokenizer_from} lacks {', '.join(missing)}")
     out.mkdir(parents=True, exist_ok=False)
-    generator = torch.Generator().manual_seed(SEED)
+    generator = torch.Generator(device).manual_seed(SEED)
     n_shards = config.num_hidden_layers + 1
     weight_map, total_bytes = {}, 0
     makers = [lambda: outer_tensors(config, generator)]
     makers += [lambda i=i: layer_tensors(config, i, generator) for i in range(config.num_hidden_layers)]
     for shard, make in enumerate(makers, start=1):
-        tensors = {name: t.to(DTYPES[dtype]).contiguous() for name, t in make().items()}
+        tensors = {name: t.to(DTYPES[dtype]).cpu().contiguous() for name, t in make().items()}
         filename = f"model-{shard:05d}-of-{n_shards:05d}.safetensors"
         save_file(tensors, out / filename, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(tensors, filename)
@@ -144,11 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, help="number of decoder layers (default: the shape's, 32 or 40)")
     parser.add_argument("--tokenizer-from", type=Path, help="model directory whose tokenizer files are copied "
                         "(default: stories260K in the shared directory)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the random numbers are drawn (cuda: seconds rather than minutes at full size)")
     parser.add_argument("--out", type=Path, required=True, help="new model directory (must not exist)")
     args = parser.parse_args(argv)
     config = llama_config(args.shape, args.scale, args.layers)
     try:
-        write_model(args.out, config, args.dtype, args.tokenizer_from or default_tokenizer_source())
+        write_model(args.out, config, args.dtype, args.tokenizer_from or default_tokenizer_source(), args.device)
     except (ValueError, FileNotFoundError, FileExistsError) as error:
         print(f"make_random_llama: error: {error}", file=sys.stderr)
         return 2

@@ -209,10 +209,14 @@ def test_offloading_gives_the_same_model():
     dense = tiny_model(tiny_config())
     ids = calib(dense.config.vocab_size)
     plain, offloaded = copy.deepcopy(dense), copy.deepcopy(dense)
-    prune_model(plain, ids, PruneConfig(ratio=0.4), progress=False, registry=default_registry())
-    prune_model(offloaded, ids, PruneConfig(ratio=0.4, offload=True), progress=False, registry=default_registry())
+    kept_home = prune_model(plain, ids, PruneConfig(ratio=0.4), progress=False, registry=default_registry())
+    moved = prune_model(offloaded, ids, PruneConfig(ratio=0.4, offload=True), progress=False,
+                        registry=default_registry())
     probe = tokens(dense.config.vocab_size, seed=9)
     torch.testing.assert_close(logits(offloaded, probe), logits(plain, probe))
+    # The layer moves are a timed phase of their own, in the totals and in every layer's seconds.
+    assert "offload" in moved.seconds and "offload" not in kept_home.seconds
+    assert all("offload" in layer["seconds"] for layer in moved.layers)
 
 
 def test_batch_size_does_not_change_the_result():

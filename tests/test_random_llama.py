@@ -37,6 +37,15 @@ def test_bad_shape_or_scale_is_rejected(bad):
         make_random_llama.llama_config(**bad)
 
 
+@pytest.mark.parametrize("device", ["cuda:0", "mps"] + ([] if torch.cuda.is_available() else ["cuda"]))
+def test_bad_or_missing_device_is_refused_before_writing(tmp_path, device):
+    out = tmp_path / "random-llama"
+    config = make_random_llama.llama_config("7b", scale=0.02, layers=1)
+    with pytest.raises(ValueError, match="device="):
+        make_random_llama.write_model(out, config, "float16", tmp_path, device=device)
+    assert not out.exists()
+
+
 @pytest.mark.slow
 @needs_stories
 @pytest.mark.skipif(not TINYSTORIES.is_file(), reason="TinyStories fixture not found")

@@ -73,7 +73,8 @@ class PruneConfig:
     offload: bool = option("flag", False, "while pruning, keep the model in CPU memory and move each decoder layer "
                            "(and the embeddings, for the layer-0 inputs) to the device only while it is pruned; "
                            "this lowers the device memory of pruning only: the pruned model is then moved to the "
-                           "device whole for evaluation, so it must fit there")
+                           "device whole for evaluation, so it must fit there; the moves are timed as the phase "
+                           "'offload'")
     batch_size: int = option("count", 8, "calibration sequences per forward pass (does not change the result)",
                              cli="--calib-batch-size")
     gram_precision: GramPrecision = option(
