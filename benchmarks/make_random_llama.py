@@ -91,7 +91,8 @@ def layer_tensors(config: LlamaConfig, index: int, generator: torch.Generator) -
 def outer_tensors(config: LlamaConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Embeddings, final norm and LM head (untied as in LLaMA; none when tied, as in Llama-3.2-1B)."""
     vocab, hidden = config.vocab_size, config.hidden_size
-    tensors = {"model.embed_tokens.weight": _normal((vocab, hidden), generator), "model.norm.weight": torch.ones(hidden)}
+    tensors = {"model.embed_tokens.weight": _normal((vocab, hidden), generator),
+               "model.norm.weight": torch.ones(hidden)}
     if not config.tie_word_embeddings:
         tensors["lm_head.weight"] = _normal((vocab, hidden), generator)
     return tensors

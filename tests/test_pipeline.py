@@ -217,6 +217,7 @@ def test_offloading_gives_the_same_model():
     # The layer moves are a timed phase of their own, in the totals and in every layer's seconds.
     assert "offload" in moved.seconds and "offload" not in kept_home.seconds
     assert all("offload" in layer["seconds"] for layer in moved.layers)
+    assert "allocation" in moved.seconds and "allocation" in kept_home.seconds
 
 
 def test_batch_size_does_not_change_the_result():

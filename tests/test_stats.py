@@ -289,6 +289,37 @@ def test_gathered_batches_equal_direct_float64_sums(chunk, moment_block):
     torch.testing.assert_close(stats.out_sq_sum, Y.square().sum(), rtol=1e-12, atol=1e-10)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 200_000))
+def test_moment_blocks_are_the_cpu_s_64_tokens_or_bounded_by_elements_elsewhere(width):
+    """On the CPU the moments' blocks stay MOMENT_BLOCK tokens; on an accelerator they grow to the element bound, but
+    never below MOMENT_BLOCK tokens nor (above that) past DEVICE_MOMENT_ELEMENTS elements."""
+    assert stats_module.moment_block(torch.device("cpu"), width) == stats_module.MOMENT_BLOCK
+    block = stats_module.moment_block(torch.device("cuda"), width)
+    assert block >= stats_module.MOMENT_BLOCK
+    assert block == stats_module.MOMENT_BLOCK or block * width <= stats_module.DEVICE_MOMENT_ELEMENTS
+    assert (block + 1) * width > stats_module.DEVICE_MOMENT_ELEMENTS or block == stats_module.MOMENT_BLOCK
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_statistics_equal_direct_float64_sums():
+    """On CUDA (whole adds, element-bounded moment blocks) the sums equal the float64 sums of all tokens."""
+    layer = linear(6, 4, seed=12).cuda()
+    batches = [make_X(6, n, seed=20 + n).T.reshape(1, n, 6) for n in (3, 5, 9, 2)]
+    with mock.patch.object(stats_module, "CHUNK_TOKENS", 7), torch.no_grad(), \
+            collect_input_stats({"proj": layer}, with_cross=True) as collected:
+        for batch in batches:
+            layer(batch.cuda())
+    X = torch.cat([b.reshape(-1, 6) for b in batches]).T  # d_in × N
+    Y = layer.weight.detach().cpu() @ X  # d_out × N
+    stats = collected["proj"]
+    assert stats.device.type == "cuda"
+    for name in ("sum", "abs_sum", "sq_sum"):
+        torch.testing.assert_close(getattr(stats, name).cpu(), getattr(stats_of(X), name), rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(stats.cross.cpu(), Y @ X.T, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(stats.out_sq_sum.cpu(), Y.square().sum(), rtol=1e-12, atol=1e-10)
+
+
 def test_gathered_batches_are_copies():
     """A later in-place change of the layer's input or output does not reach the held tokens."""
     layer = linear(3, 2, seed=13)
