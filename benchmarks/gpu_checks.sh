@@ -4,7 +4,7 @@
 # Steps: env (versions), cmp (the 7B layer side by side at 16k and 65k tokens), p7 (a random-init 7B written and
 # pruned), p13 (the same at 13B with --offload), smoke (the smoke matrix). Each step has its own time limit; a failed
 # step does not stop the others; results go to OUT, the random models to /dev/shm (or /tmp) and are removed.
-# A quick check on the CPU: OUT=/tmp/out DEV=cpu SCALE=0.02 bash benchmarks/gpu_checks.sh env cmp p7 p13 smoke
+# A quick check on the CPU: OUT=/tmp/out DEV=cpu SCALE=0.02 LAYERS=2 bash benchmarks/gpu_checks.sh env cmp p7 p13 smoke
 set -u
 OUT=${OUT:?} DEV=${DEV:-cuda} SCALE=${SCALE:-1.0} PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 RCPU_BENCH_SHARED=${RCPU_BENCH_SHARED:-$PWD/../shared}
@@ -12,7 +12,7 @@ export RCPU_BENCH_DISABLE_PLUGIN_AUTOLOAD=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 W=/dev/shm; [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 40000000 ] || W=/tmp/rcpu-gpu
 mkdir -p "$W" "$OUT"
-small=(); [ "$SCALE" != 1.0 ] && small=(--scale "$SCALE" --layers 2)
+small=(--scale "$SCALE"); [ -n "${LAYERS:-}" ] && small+=(--layers "$LAYERS")
 say() { echo "== $(date -u +%T) $*"; }
 run() { local limit=$1; shift; say "start ($limit s): $*"; local t0=$SECONDS
         timeout "$limit" "$@"; local rc=$?; say "rc=$rc after $((SECONDS - t0)) s: $1 $2 $3"; }
