@@ -29,7 +29,9 @@ down_proj (11,008 → 4096, k ≈ 8807) {C} 2.1e12 < {G} 4.2e12; {S, C_D} 4.4e11
 chosen before the pass (FLAP's global AL-AM structure). (For k < d_out the rotation is solved on W_K's
 span from B = M P, W_K = P T, rather than from M; the model counts M.) Otherwise K is chosen from the same
 pass's moments, so neither {S, C_D} nor G_KK alone can be collected: G is collected whole and the solvers
-read its blocks.
+read its blocks. (Candidates for D chosen from the first chunk's moments do not pay: on a random-init 7B layer the
+finally dropped down_proj channels ranked up to 3x the dropped count by the first 4096 tokens' scores, so a
+superset that never misses costs nearly C; benchmarks/README.md.)
 {G, C} is never collected: a "gram" method that also reads Y X_Kᵀ (scaled Procrustes) would gain from C
 only with fewer tokens than about FLOAT64_COST·k.
 
