@@ -45,6 +45,7 @@ DEFAULT_SEED = 0
 TINYSTORIES_CALIB = (0, 500)
 TINYSTORIES_FILE = Path("tinystories") / "validation_first1000.jsonl"
 WIKITEXT_DATASET = ("wikitext", "wikitext-2-raw-v1")
+WIKITEXT_VALID_FILE = Path("wikitext-2-v1") / "wiki.valid.tokens"
 # How the reference code joins the dataset rows of each split.
 WIKITEXT_JOIN = {"train": " ", "test": "\n\n"}
 SPEC_FORM = "SOURCE[:NxSEQLEN][:seed=S], e.g. wikitext2:128x128"
@@ -164,6 +165,20 @@ def _wikitext2_online(split: str, missing: Path) -> SourceText:
     return SourceText("wikitext2", split, origin, hashlib.sha256(text.encode()).hexdigest(), (text,))
 
 
+def wikitext2_valid_text(data_dir: Path | str | None = None) -> SourceText:
+    """WikiText-2 v1 validation (``<data_dir>/wikitext-2-v1/wiki.valid.tokens``) as one document, its rows joined as
+    the reference joins the train split (" "): an in-domain stand-in for the train split where only the shared
+    files exist. It is the tokenized release (``<unk>`` for rare words, " @-@ " for hyphens), not the raw text."""
+    path = _data_dir(data_dir) / WIKITEXT_VALID_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"WikiText-2 validation file {path} does not exist; allowed: a data directory "
+                                f"with {WIKITEXT_VALID_FILE} (--data-dir or ${paths.DATA_ENV})")
+    with open(path, encoding="utf-8") as f:
+        rows = [row if row.strip() else "" for row in f]
+    return SourceText("wikitext2-valid", "validation (v1 tokens)", str(path), sha256_file(path),
+                      (WIKITEXT_JOIN["train"].join(rows),))
+
+
 def tinystories_text(data_dir: Path | str | None = None, stories: tuple[int, int] = TINYSTORIES_CALIB) -> SourceText:
     """The TinyStories validation stories with ``start <= idx < stop``, one document each."""
     start, stop = stories
@@ -214,6 +229,9 @@ class _Source:
 SOURCES: dict[str, _Source] = {
     "wikitext2": _Source("wikitext2 (WikiText-2-raw train)", re.compile(r"wikitext2"),
                          lambda m, data_dir: wikitext2_text(data_dir, "train")),
+    "wikitext2-valid": _Source("wikitext2-valid (WikiText-2 v1 validation, tokenized release: a stand-in for the "
+                               "train split offline)", re.compile(r"wikitext2-valid"),
+                               lambda m, data_dir: wikitext2_valid_text(data_dir)),
     "tinystories": _Source(
         "tinystories[START:STOP] (TinyStories validation stories START..STOP-1; default [0:500])",
         re.compile(r"tinystories(?:\[(\d+):(\d+)\])?"),

@@ -6,6 +6,7 @@ runs one per cell; either way the result is a :class:`rcpu_bench.records.Record`
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -33,11 +34,14 @@ from rcpu_bench.model.loading import (
 from rcpu_bench.model.persistence import save_pruned
 from rcpu_bench.paths import check_new_dir, default_model
 from rcpu_bench.plugins import default_registry
+from rcpu_bench.pruning.options import selection_units
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.records import Record, environment, library_versions
 from rcpu_bench.registry import Registry
 
 DEFAULT_CALIB = "tinystories:128x128"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,7 +74,12 @@ class Experiment:
         config, commit = load_config(self.model, self.revision,
                                      prune=() if self.prune.model_method else self.prune.prune,
                                      trust_remote_code=self.trust_remote_code)
-        self.prune.check_units(layer_geometries(model_skeleton(config, self.trust_remote_code)))
+        geometries = layer_geometries(model_skeleton(config, self.trust_remote_code))
+        self.prune.check_units(geometries)
+        for module in self.prune.unpruned_modules(geometries):
+            n, what = selection_units(geometries[0], module, self.prune.gqa_rule)
+            log.warning(f"ratio={self.prune.ratio} prunes none of the {n} {what} of {module} in any layer "
+                        f"(⌊ρ·n⌋ = 0, rounding={self.prune.rounding!r}): only the other modules are pruned")
         self._check_calibration(load_tokenizer(model_source(self.model), commit or self.revision,
                                                trust_remote_code=self.trust_remote_code),
                                 config.max_position_embeddings)

@@ -63,8 +63,10 @@ def model_copy(tmp_path: Path, source: Path = STORIES_MHA) -> Path:
     (["--ratio", "0.9", "--rounding", "ceil"], ["ratio=0.9", "all 8 heads", "ratio <= 7/8"]),
     # MLP channels: 172 of them, ⌈0.999·172⌉ = 172
     (["--ratio", "0.999", "--rounding", "ceil", "--prune", "mlp"], ["all 172 MLP channels", "ratio <= 171/172"]),
-    # the query rule on an MHA model: one query head per group, so ceil prunes it whatever ρ > 0
-    (["--ratio", "0.1", "--rounding", "ceil", "--gqa-rule", "query"], ["all 1 query heads", "ratio=0"]),
+    # the query rule on an MHA model: one query head per group, so no ratio below 1 prunes a head (floor: none; ceil:
+    # all of them)
+    (["--ratio", "0.1", "--rounding", "ceil", "--gqa-rule", "query"], ["single unit", "allowed: gqa_rule='group'"]),
+    (["--ratio", "0.3", "--gqa-rule", "query"], ["single unit", "or prune=('mlp',)"]),
     (["--structure", "al-am", "--gqa-rule", "query"], ["gqa_rule='query'", "allowed: gqa_rule='group'"]),
     (["--device", "bogus"], ["'bogus'", "allowed: cpu, cuda"]),
     (["--calib-batch-size", "0"], ["--calib-batch-size", "allowed: an integer >= 1"]),

@@ -23,6 +23,7 @@ from rcpu_bench import __version__
 # Subcommand → its one-line help, in the order ``rcpu-bench --help`` lists them.
 COMMANDS = {
     "plugins": "list the registered methods of every kind",
+    "models": "list the real pretrained models known by name (--model smollm2-135m), installed and converted",
     "prune": "prune one model with one scorer x compensator and evaluate it",
     "run": "run a benchmark matrix (models x methods x ratios x calibration sizes)",
     "tables": "render the paper's tables from a results store",

@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from rcpu_bench import console, data
 from rcpu_bench.finite import finite_logits
 
 IGNORE_INDEX = -100
+WINDOW_DECIMALS = 4  # of a window's NLL sum in the record: far below any difference a bootstrap can resolve
 
 
 @dataclass(frozen=True)
@@ -116,41 +118,49 @@ def _shifted_labels(input_ids: Tensor, mask: Tensor) -> Tensor:
     return labels
 
 
-def sequence_nll(model: nn.Module, sequences: list[Tensor], *, batch_size: int = 8,
-                 desc: str = "perplexity") -> tuple[float, int]:
-    """(Σ −log p(x_t | x_<t) over every sequence's shifted targets, number of targets), summed in float64.
+def sequence_nlls(model: nn.Module, sequences: list[Tensor], *, batch_size: int = 8,
+                  desc: str = "perplexity") -> list[float]:
+    """Per sequence, in the order given: Σ_t −log p(x_t | x_<t) over its shifted targets, summed in float64.
 
     Sequences are scored longest first (less padding) in batches of ``batch_size``, right-padded, with
     padding masked out of attention and ignored as targets, so the result does not depend on the batch size.
     Non-finite logits raise ``NonFiniteError`` (naming a non-finite weight when there is one).
     """
-    sequences = sorted(sequences, key=len, reverse=True)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]), reverse=True)
     device = model.device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    n_targets = sum(max(len(ids) - 1, 0) for ids in sequences)
+    sums = torch.zeros(len(sequences), dtype=torch.float64)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), finite_logits(model, desc):
-            for start in console.progress(range(0, len(sequences), batch_size), desc=desc, unit="batch"):
-                input_ids, mask = _pad(sequences[start : start + batch_size])
+            for start in console.progress(range(0, len(order), batch_size), desc=desc, unit="batch"):
+                rows = order[start : start + batch_size]
+                input_ids, mask = _pad([sequences[i] for i in rows])
                 labels = _shifted_labels(input_ids, mask).to(device)
                 logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
                 nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                      reduction="none")
-                total += nll.sum(dtype=torch.float64)
+                                      reduction="none")  # (B·T,), 0 where ignored
+                sums[rows] = nll.view(len(rows), -1).sum(1, dtype=torch.float64).cpu()
     finally:
         model.train(was_training)
-    return total.item(), n_targets
+    return sums.tolist()
+
+
+def sequence_nll(model: nn.Module, sequences: list[Tensor], *, batch_size: int = 8,
+                 desc: str = "perplexity") -> tuple[float, int]:
+    """(Σ −log p(x_t | x_<t) over every sequence's shifted targets, number of targets): :func:`sequence_nlls`
+    summed."""
+    nlls = sequence_nlls(model, sequences, batch_size=batch_size, desc=desc)
+    return math.fsum(nlls), sum(max(len(ids) - 1, 0) for ids in sequences)
 
 
 def perplexity(model: nn.Module, tokenizer, profile: str = "rcpu128", *, batch_size: int = 8,
-               data_dir: Path | str | None = None, max_windows: int | None = None) -> dict[str, str | int | float]:
+               data_dir: Path | str | None = None, max_windows: int | None = None) -> dict[str, Any]:
     """Perplexity of ``model`` under ``profile`` (see PROFILES), with the protocol recorded in the result.
 
     ``max_windows`` scores only the first that many windows (or stories). The result holds the profile,
     dataset, seqlen used, number of windows, predicted tokens, ppl = exp(nll_mean), the dataset file's
-    sha256 and the batch size.
+    sha256, the batch size, and per window its NLL sum and target count (``window_nll``, ``window_targets``).
     """
     chosen = get_profile(profile)
     if batch_size < 1:
@@ -169,8 +179,11 @@ def perplexity(model: nn.Module, tokenizer, profile: str = "rcpu128", *, batch_s
     sequences = sequences[:max_windows]
     if not sequences:
         raise ValueError(f"profile {chosen.name!r}: {source.origin} gives no sequence of {seqlen} tokens")
-    nll, n_tokens = sequence_nll(model, sequences, batch_size=batch_size, desc=f"ppl {chosen.name}")
-    nll_mean = nll / n_tokens
+    nlls = sequence_nlls(model, sequences, batch_size=batch_size, desc=f"ppl {chosen.name}")
+    targets = [len(ids) - 1 for ids in sequences]
+    nll_mean = math.fsum(nlls) / sum(targets)
     return {"profile": chosen.name, "dataset": f"{source.source}/{source.split}", "seqlen": seqlen,
-            "n_windows": len(sequences), "n_tokens": n_tokens, "ppl": math.exp(nll_mean), "nll_mean": nll_mean,
-            "dataset_sha256": source.sha256, "batch_size": batch_size}
+            "n_windows": len(sequences), "n_tokens": sum(targets), "ppl": math.exp(nll_mean), "nll_mean": nll_mean,
+            "dataset_sha256": source.sha256, "batch_size": batch_size,
+            # per window (story), in the profile's order: what a paired bootstrap of two runs resamples
+            "window_nll": [round(nll, WINDOW_DECIMALS) for nll in nlls], "window_targets": targets}

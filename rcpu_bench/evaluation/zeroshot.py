@@ -320,11 +320,18 @@ def task_summary(raw: dict[str, Any], name: str) -> dict[str, Any]:
             "version": raw["versions"].get(name), "num_fewshot": raw["n-shot"].get(name), "lm_eval_task": name}
 
 
-def paper_summary(raw: dict[str, Any], task: str, plan: ZeroShotPlan) -> dict[str, Any]:
-    """A paper task's ``task_summary`` with the metric its tables show (``metric``) and its ``value``."""
-    summary = task_summary(raw, lm_eval_name(task, plan.source))
+def paper_summary(raw: dict[str, Any], task: str, plan: ZeroShotPlan, samples: dict[str, Any]) -> dict[str, Any]:
+    """A paper task's ``task_summary`` with the metric its tables show (``metric``), its ``value``, and that metric
+    per document in document order (``items``: what a paired bootstrap or McNemar test of two runs compares)."""
+    name = lm_eval_name(task, plan.source)
+    summary = task_summary(raw, name)
     metric = table_metric(task, plan.metric_map)
-    return {**summary, "metric": metric, "value": summary[metric]}
+    return {**summary, "metric": metric, "value": summary[metric], "items": item_scores(samples[name], metric)}
+
+
+def item_scores(samples: list[dict[str, Any]], metric: str) -> list[float]:
+    """The metric of each document of one task's lm-eval samples, ordered by ``doc_id`` (accuracies are 0 or 1)."""
+    return [float(sample[metric]) for sample in sorted(samples, key=lambda sample: sample["doc_id"])]
 
 
 def fewshot_notes(plan: ZeroShotPlan) -> list[str]:
@@ -396,14 +403,14 @@ def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan, *, log_samples:
     with finite_logits(model, "zero-shot evaluation"):
         raw = lm_eval.simple_evaluate(model=lm, model_args=f"pretrained={model_name}" if model_name else None,
                                       tasks=task_specs(plan), task_manager=TaskManager(include_defaults=False),
-                                      num_fewshot=plan.num_fewshot, limit=plan.limit, log_samples=log_samples,
+                                      num_fewshot=plan.num_fewshot, limit=plan.limit, log_samples=True,
                                       evaluation_tracker=tracker, random_seed=None, numpy_random_seed=None,
                                       torch_random_seed=None, fewshot_random_seed=FEWSHOT_SEED)
     seconds = time.perf_counter() - started
-    samples = raw.pop("samples", None)
+    samples = raw.pop("samples")  # always logged: the paper tasks' per-document scores join the record
     if tracker is not None:
-        save_lm_eval_outputs(tracker, raw, samples, Path(output_path))
-    tasks = {task: paper_summary(raw, task, plan) for task in plan.tasks}
+        save_lm_eval_outputs(tracker, raw, samples if log_samples else None, Path(output_path))
+    tasks = {task: paper_summary(raw, task, plan, samples) for task in plan.tasks}
     paper_names = {lm_eval_name(task, plan.source) for task in plan.tasks}
     tasks.update({name: task_summary(raw, name) for name in raw["results"] if name not in paper_names})
     for name, summary in tasks.items():

@@ -206,7 +206,7 @@ def estimate_seconds(todo: Sequence[Cell], stored: Sequence[StoredResult]) -> tu
     the same model already in the store, else DEFAULT_CELL_SECONDS for the model's size."""
     seconds: dict[str, list[float]] = {}
     for result in stored:
-        seconds.setdefault(result.model_label, []).append(result.seconds)
+        seconds.setdefault(result.cell["model_label"], []).append(result.seconds)
     total, sources = 0.0, []
     for label, cells in _by_model(todo).items():
         if label in seconds:

@@ -157,7 +157,10 @@ class StoredResult:
 
     @property
     def model_label(self) -> str:
-        return self.cell["model_label"]
+        """The model's label as tables and figures show it: with what its weights are when they are not the
+        original model's (a real model's dequantized GGUF, ``rcpu_bench.model.real_models``)."""
+        real = (self.record.model_provenance or {}).get("real_model") or {}
+        return f"{self.cell['model_label']} ({real['weights']})" if real.get("weights") else self.cell["model_label"]
 
     @property
     def ratio(self) -> float:

@@ -29,6 +29,7 @@ from transformers import (
 from transformers.utils.hub import cached_file, extract_commit_hash
 
 from rcpu_bench.finite import check_parameters
+from rcpu_bench.model import real_models
 from rcpu_bench.model.adapter import check_architecture, check_prunable, supported
 
 DEFAULT_DTYPE, DEFAULT_DEVICE = "float32", "cpu"  # of every command, matrix and Experiment
@@ -99,7 +100,9 @@ def parameter_count(model: nn.Module) -> int:
 
 
 def model_source(name_or_path: str) -> str:
-    """The existing local directory or the Hub repo id ("org/name") that ``name_or_path`` means.
+    """The existing local directory, the converted directory of a real model named in
+    ``rcpu_bench.model.real_models`` (``smollm2-135m``: converted on first use), or the Hub repo id ("org/name")
+    that ``name_or_path`` means.
 
     A name that looks like a path (absolute, relative with ./ or ../, ~, or more than one "/") but does
     not exist raises FileNotFoundError instead of being tried on the Hub.
@@ -107,6 +110,8 @@ def model_source(name_or_path: str) -> str:
     path = Path(name_or_path).expanduser()
     if path.exists():
         return str(path)
+    if name_or_path in real_models.MODELS:
+        return str(real_models.resolve(name_or_path))
     if name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1 or "\\" in name_or_path:
         raise FileNotFoundError(f"model directory {name_or_path!r} does not exist")
     return name_or_path
@@ -213,4 +218,7 @@ def load_model(name_or_path: str, *, dtype: str = DEFAULT_DTYPE, device: str = D
     provenance = {"name_or_path": name_or_path, "revision": revision, "commit_hash": commit,
                   "dtype": dtype, "device": device, "config_class": type(config).__name__,
                   "model_class": type(model).__name__}
+    converted = real_models.provenance(source)
+    if converted is not None:
+        provenance["real_model"] = converted
     return LoadedModel(model, tokenizer, provenance)

@@ -25,14 +25,9 @@ Llama-only per-layer ``RcpuLlamaConfig`` it reads as an ``RcpuPrunedConfig``).
 
 from __future__ import annotations
 
-import glob
-import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -43,6 +38,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from rcpu_bench.atomic_file import file_sha256, write_atomically
 from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import layer_geometries, model_view
 from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, format_2_per_layer_config, write_per_layer_config
@@ -73,7 +69,6 @@ MANIFEST = "rcpu_manifest.json"
 WEIGHTS = "model.safetensors"
 CARD = "README.md"
 CONFIG_KINDS = ("family", "per_layer", "llama", "rcpu_llama", "original")  # the last three: formats 1 and 2
-_STAGING, _RETIRED = ".partial", ".old"  # suffixes of write_atomically's sibling directories
 
 log = logging.getLogger(__name__)
 
@@ -256,71 +251,6 @@ def unique_tensors(model: nn.Module) -> dict[str, Tensor]:
             seen.add(id(tensor))
             tensors[name] = tensor.detach().contiguous()
     return tensors
-
-
-def write_atomically(directory: str | os.PathLike, write: Callable[[Path], None], *, overwrite: bool = False) -> None:
-    """Have ``write(staging)`` fill a temporary directory beside ``directory``, then rename it into place.
-
-    An interrupted or failing write leaves nothing behind (and an existing ``directory`` untouched); an
-    existing ``directory`` raises FileExistsError unless ``overwrite`` or it is an empty directory (which
-    ``Experiment.validate`` accepts for ``--save``, so the save after all the work must too). Every saver uses this.
-    A process killed mid-save cannot clean up: its staging directory (``.NAME.<pid>.<random>.partial``) is removed
-    by the next save to ``directory`` (``remove_stale_staging``).
-    """
-    target = Path(directory)
-    if target.exists() and not overwrite and not (target.is_dir() and not any(target.iterdir())):
-        raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(target)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=_STAGING, dir=target.parent))
-    try:
-        write(staging)
-        _publish(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def _publish(staging: Path, target: Path) -> None:
-    """Move the finished ``staging`` directory to ``target``, replacing what was there."""
-    if target.exists():
-        retired = staging.with_suffix(_RETIRED)
-        target.rename(retired)
-        staging.rename(target)
-        shutil.rmtree(retired)
-    else:
-        staging.rename(target)
-
-
-def remove_stale_staging(target: Path) -> None:
-    """Remove the staging (and retired) directories beside ``target`` left by saves whose process is gone."""
-    for path in target.parent.glob(f".{glob.escape(target.name)}.*"):
-        if path.suffix in (_STAGING, _RETIRED) and path.is_dir() and not _writer_alive(path, target.name):
-            log.warning("removing %s, left by an interrupted save", path)
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _writer_alive(path: Path, name: str) -> bool:
-    """Whether the process that named ``path`` (``.NAME.<pid>.…``) still runs; a name without a pid is stale."""
-    pid = path.name[len(name) + 2:].partition(".")[0]
-    if not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 hex digest of a file, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def weights_file(directory: Path, name: Any) -> Path:

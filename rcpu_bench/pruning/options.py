@@ -143,9 +143,11 @@ class PruneConfig:
         """
         if self.model_method is not None or self.structure != "uniform":
             return
+        for module in self.prune:
+            self._check_prunable(module, geometries)
         for index, geometry in enumerate(geometries):
             for module in self.prune:
-                n, what = _selection_units(geometry, module, self.gqa_rule)
+                n, what = selection_units(geometry, module, self.gqa_rule)
                 try:
                     n_pruned(n, self.ratio, self.rounding)
                 except ValueError:
@@ -153,11 +155,34 @@ class PruneConfig:
                     raise ValueError(f"ratio={self.ratio} with rounding={self.rounding!r} would prune all {n} {what} "
                                      f"of layer {index}'s {module}; allowed: {bound}, or rounding='floor'") from None
 
+    def _check_prunable(self, module: str, geometries: Sequence[LayerGeometry]) -> None:
+        """Raise when ``module`` is asked to be pruned but its selection has a single unit in every layer (one
+        key/value group under the group rule, one query head per group under the query rule): no ratio below 1
+        can prune it."""
+        units = {selection_units(geometry, module, self.gqa_rule) for geometry in geometries}
+        if self.ratio == 0 or any(n > 1 for n, _ in units):
+            return
+        what = next(iter(units))[1]
+        other = {"group": "gqa_rule='query' (--gqa-rule query: query heads within the group)",
+                 "query": "gqa_rule='group' (--gqa-rule group: whole heads or key/value groups)"}[self.gqa_rule]
+        hint = f"{other} or prune=('mlp',) (--prune mlp)" if module == "attention" else "prune without this module"
+        raise ValueError(f"the model's {module} has a single unit to choose from in every layer ({what}: 1, under "
+                         f"gqa_rule={self.gqa_rule!r}), so no ratio below 1 prunes it; allowed: {hint}")
+
+    def unpruned_modules(self, geometries: Sequence[LayerGeometry]) -> list[str]:
+        """The modules asked to be pruned that lose no unit in any layer at this ratio (⌊ρ·n⌋ = 0 everywhere), under
+        a uniform per-layer ratio; other allocations and whole-model methods choose their own counts."""
+        if self.model_method is not None or self.structure != "uniform" or self.allocation != UNIFORM:
+            return []
+        return [module for module in self.prune
+                if all(n_pruned(selection_units(g, module, self.gqa_rule)[0], self.ratio, self.rounding) == 0
+                       for g in geometries)]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _selection_units(geometry: LayerGeometry, module: str, gqa_rule: str) -> tuple[int, str]:
+def selection_units(geometry: LayerGeometry, module: str, gqa_rule: str) -> tuple[int, str]:
     """How many units one selection of ``module`` chooses from, and what they are."""
     if module == "mlp":
         return geometry.intermediate, "MLP channels"

