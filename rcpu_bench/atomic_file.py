@@ -1,39 +1,73 @@
-"""Files and directories written whole or not at all (a temporary sibling, then a rename), and file checksums."""
+"""Files and directories written whole or not at all (a temporary sibling, then a rename), and file checksums.
+
+Every staging name carries the writer's pid (``.NAME.<pid>.<random>.partial``): concurrent writers of one output
+never share one, and a staging file or directory left by a killed writer is removed by the next write beside it.
+A write that fails (a full disk, say) is one OSError naming the output, with the staging removed.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import glob
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-_STAGING, _RETIRED = ".partial", ".old"  # suffixes of write_atomically's sibling directories
+_STAGING, _RETIRED = ".partial", ".old"  # suffixes of the staging and retired siblings
 
 log = logging.getLogger(__name__)
 
 
-def write_file_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+def write_file_atomically(path: str | os.PathLike, write: Callable[[Path], None], *, replace: bool = True) -> Path:
     """Have ``write(temporary)`` fill a temporary file beside ``path``, then rename it onto ``path``.
 
     A reader sees the old file or the complete new one, never a half-written figure; a failing or interrupted
-    write leaves ``path`` as it was (and, unless killed, no temporary file).
+    write leaves ``path`` as it was (and, unless killed, no temporary file). Without ``replace`` a ``path`` that
+    exists when the file is published (another writer's) is kept and FileExistsError raised.
     """
     path = Path(path)
-    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(handle)
-    temporary = Path(name)
+    temporary = staging_sibling(path)
     try:
-        write(temporary)
-        follow_umask(temporary)
-        os.replace(temporary, path)
-    except BaseException:
+        with writing(path):
+            write(temporary)
+            follow_umask(temporary)
+            _publish_file(temporary, path, replace)
+    finally:
         temporary.unlink(missing_ok=True)
-        raise
     return path
+
+
+def staging_sibling(target: Path, *, directory: bool = False) -> Path:
+    """A new hidden file (or ``directory``) beside ``target`` named for this writer, ``.NAME.<pid>.<random>.partial``,
+    after the stale ones of writers that are gone were removed; the missing parents of ``target`` are created."""
+    remove_stale_staging(target)
+    with writing(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        names = {"prefix": f".{target.name}.{os.getpid()}.", "suffix": _STAGING, "dir": target.parent}
+        if directory:
+            return Path(tempfile.mkdtemp(**names))
+        handle, name = tempfile.mkstemp(**names)
+    os.close(handle)
+    return Path(name)
+
+
+def _publish_file(temporary: Path, path: Path, replace: bool) -> None:
+    """Rename ``temporary`` onto ``path``; without ``replace``, never over a file that exists by now (a hard link
+    publishes atomically or fails)."""
+    if replace:
+        os.replace(temporary, path)
+        return
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        raise FileExistsError(f"{path} was created by another writer while this one wrote it; it is kept as it is "
+                              "(allowed: one writer per output)") from None
 
 
 def umask() -> int:
@@ -44,11 +78,13 @@ def umask() -> int:
 
 
 def follow_umask(path: Path) -> None:
-    """Give ``path`` (and, for a directory, what is directly inside it) the modes a plain ``open`` / ``mkdir`` would:
+    """Give ``path`` and, for a directory, everything under it the modes a plain ``open`` / ``mkdir`` would:
     temporary files and directories are created private (0600 / 0700), whatever the user's umask says."""
     mask = umask()
-    for item in [path, *(path.iterdir() if path.is_dir() else ())]:
-        item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
+    items = [path, *(path.rglob("*") if path.is_dir() else ())]
+    for item in items:
+        if not item.is_symlink():
+            item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
 
 
 def write_atomically(directory: str | os.PathLike, write: Callable[[Path], None], *, overwrite: bool = False) -> None:
@@ -56,60 +92,117 @@ def write_atomically(directory: str | os.PathLike, write: Callable[[Path], None]
 
     An interrupted or failing write leaves nothing behind (and an existing ``directory`` untouched); an
     existing ``directory`` raises FileExistsError unless ``overwrite`` or it is an empty directory (which
-    ``Experiment.validate`` accepts for ``--save``, so the save after all the work must too). Every saver uses this.
-    A process killed mid-save cannot clean up: its staging directory (``.NAME.<pid>.<random>.partial``) is removed
-    by the next save to ``directory`` (``remove_stale_staging``).
+    ``Experiment.validate`` accepts for ``--save``, so the save after all the work must too), and so does one
+    that another writer published meanwhile. Every saver uses this. A process killed mid-save cannot clean up:
+    its staging directory is removed by the next save to ``directory`` (``remove_stale_staging``).
     """
     target = Path(directory)
-    if target.exists() and not overwrite and not (target.is_dir() and not any(target.iterdir())):
+    if target.exists() and not overwrite and not _empty_directory(target):
         raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(target)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=_STAGING, dir=target.parent))
+    staging = staging_sibling(target, directory=True)
     try:
-        write(staging)
-        follow_umask(staging)
-        _publish(staging, target)
+        with writing(target):
+            write(staging)
+            follow_umask(staging)
+            _publish(staging, target, overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
-def _publish(staging: Path, target: Path) -> None:
-    """Move the finished ``staging`` directory to ``target``, replacing what was there."""
-    if target.exists():
+def _empty_directory(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def _publish(staging: Path, target: Path, overwrite: bool) -> None:
+    """Move the finished ``staging`` directory to ``target``: over an empty directory, or with ``overwrite`` over
+    what is there; another writer's ``target`` published meanwhile raises FileExistsError."""
+    if overwrite and target.exists() and not _empty_directory(target):
         retired = staging.with_suffix(_RETIRED)
         target.rename(retired)
         staging.rename(target)
         shutil.rmtree(retired)
-    else:
-        staging.rename(target)
+        return
+    try:
+        staging.rename(target)  # replaces an empty directory; fails on a non-empty one or a file
+    except OSError as error:
+        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise
+        raise FileExistsError(f"{target} was written by another writer while this one saved it; it is kept as it "
+                              "is (allowed: one writer per output)") from None
 
 
 def remove_stale_staging(target: Path) -> None:
-    """Remove the staging (and retired) directories beside ``target`` left by saves whose process is gone."""
-    for path in target.parent.glob(f".{glob.escape(target.name)}.*"):
-        if path.suffix in (_STAGING, _RETIRED) and path.is_dir() and not _writer_alive(path, target.name):
-            log.warning("removing %s, left by an interrupted save", path)
-            shutil.rmtree(path, ignore_errors=True)
+    """Remove the staging files and directories (and retired directories) beside ``target`` left by writers whose
+    process is gone."""
+    _remove_stale(target.parent.glob(f".{glob.escape(target.name)}.*"))
 
 
-def _writer_alive(path: Path, name: str) -> bool:
-    """Whether the process that named ``path`` (``.NAME.<pid>.…``) still runs; a name without a pid is stale."""
-    pid = path.name[len(name) + 2:].partition(".")[0]
-    if not pid.isdigit():
+def remove_stale_staging_in(directory: Path) -> None:
+    """Remove every staging file or directory in ``directory`` left by a writer whose process is gone (the figures
+    of a killed report, say)."""
+    _remove_stale(directory.glob(".*"))
+
+
+def _remove_stale(paths: Iterable[Path]) -> None:
+    for path in paths:
+        if _stale(path):
+            log.warning("removing %s, left by an interrupted write", path)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _stale(path: Path) -> bool:
+    """Whether ``path`` is a staging (``.NAME.<pid>.<random>.partial``) or retired (``….old``) sibling whose writer's
+    process is gone, or a ``.partial`` named before staging names carried a pid."""
+    if path.suffix not in (_STAGING, _RETIRED):
         return False
+    parts = path.stem.rsplit(".", 2)
+    if len(parts) == 3 and parts[1].isdigit():
+        return not _process_alive(int(parts[1]))
+    return path.suffix == _STAGING
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's included)."""
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # no such process (or a number no pid can be)
         return False
     except PermissionError:  # another user's live process
         return True
     return True
 
 
+@contextlib.contextmanager
+def writing(target: Path) -> Iterator[None]:
+    """Turn an OSError raised while writing ``target`` (through a hidden staging sibling, say) into one naming
+    ``target``."""
+    try:
+        yield
+    except FileExistsError:
+        raise
+    except OSError as error:
+        raise write_error(target, error) from error
+
+
+def write_error(target: Path, error: BaseException) -> OSError:
+    """The one-line OSError of a failed write of ``target`` (a full disk, a read-only file system, ...)."""
+    reason = getattr(error, "strerror", None) or str(error)
+    return OSError(f"cannot write {target}: {reason}; it is left as it was and no partial file remains")
+
+
 def file_sha256(path: Path) -> str:
-    """The sha256 hex digest of a file, read in 16 MiB blocks."""
+    """The sha256 hex digest of a file, read in 16 MiB blocks; hashed once per process while the file's size and
+    modification time stay the same (a load that verified a file before reading it hashes it once)."""
+    stat = os.stat(path)
+    return _sha256(str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256(path: str, *identity: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while block := handle.read(1 << 24):

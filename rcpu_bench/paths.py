@@ -4,6 +4,8 @@ the default model among them."""
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 SHARED_ENV = "RCPU_BENCH_SHARED"
@@ -38,12 +40,23 @@ def default_model() -> str:
 
 
 def _creatable(path: Path, what: str) -> None:
-    """Raise unless ``path``'s nearest existing ancestor is a writable directory (the missing parents get created)."""
+    """Raise unless a file can be created in ``path``'s nearest existing ancestor (the missing parents get created)."""
     ancestor = next(parent for parent in path.absolute().parents if parent.exists())
     if not ancestor.is_dir():
         raise ValueError(f"{what} {path}: {ancestor} is not a directory; allowed: a path under a writable directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {path}: {ancestor} is not writable; allowed: a path under a writable directory")
+    _try_writing_in(ancestor, path, what)
+
+
+def _try_writing_in(directory: Path, path: Path, what: str) -> None:
+    """Create and remove a file in ``directory``: a real write test of the destination ``path`` (``os.access``
+    says yes to root where a read-only file system then refuses the write)."""
+    try:
+        handle, name = tempfile.mkstemp(prefix=".rcpu-bench-write-test.", dir=directory)
+    except OSError as error:
+        raise ValueError(f"{what} {path}: cannot write in {directory} ({error.strerror}); allowed: a path under a "
+                         "writable directory") from None
+    os.close(handle)
+    os.unlink(name)
 
 
 def check_new_dir(path: str | os.PathLike, what: str) -> None:
@@ -56,12 +69,17 @@ def check_new_dir(path: str | os.PathLike, what: str) -> None:
 
 
 def check_output_file(path: str | os.PathLike, what: str) -> None:
-    """Raise a one-line error unless ``path`` can be written or appended to as a file."""
+    """Raise a one-line error unless ``path`` can be written or appended to as a file (opened for appending, which
+    changes nothing, or its directory written to)."""
     path = Path(path)
     if path.exists() and not path.is_file():
-        raise ValueError(f"{what} {path} is a directory; allowed: a file (new or to append to)")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ValueError(f"{what} {path} is not writable; allowed: a writable file")
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise ValueError(f"{what} {path} is {kind}; allowed: a file (new or to append to)")
+    if path.exists():
+        try:
+            open(path, "ab").close()
+        except OSError as error:
+            raise ValueError(f"{what} {path} is not writable ({error.strerror}); allowed: a writable file") from None
     _creatable(path, what)
 
 
@@ -70,6 +88,32 @@ def check_output_dir(path: str | os.PathLike, what: str) -> None:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what} {path} is a file; allowed: a directory (new, or an existing one)")
-    if path.exists() and not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {path} is not writable; allowed: a writable directory")
-    _creatable(path, what)
+    if path.exists():
+        _try_writing_in(path, path, what)
+    else:
+        _creatable(path, what)
+
+
+def check_not_input(path: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], what: str) -> None:
+    """Raise a one-line error when the output ``path`` is one of the command's ``inputs`` (files, or directories:
+    then any existing file inside one is an input too): an output never destroys what the command reads."""
+    path = Path(path)
+    for given in (Path(name) for name in inputs if name):
+        if given.is_dir() and path.exists() and inside(path, given):
+            raise ValueError(f"{what} {path} is a file of the input {given}; allowed: a path that is none of the "
+                             "command's inputs")
+        if _same(path, given):
+            raise ValueError(f"{what} {path} is the command's input {given}; allowed: a path that is none of the "
+                             "command's inputs")
+
+
+def _same(path: Path, other: Path) -> bool:
+    """Whether two paths name one file (through links too)."""
+    if path.exists() and other.exists():
+        return os.path.samefile(path, other)
+    return path.resolve() == other.resolve()
+
+
+def inside(path: Path, directory: Path) -> bool:
+    """Whether ``path`` lies in ``directory`` (or is it), links resolved."""
+    return path.resolve().is_relative_to(directory.resolve())

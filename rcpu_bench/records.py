@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from rcpu_bench import strict_json
+from rcpu_bench.atomic_file import write_error, writing
 
 SCHEMA_VERSION = 1
 _LIBRARIES = ("rcpu-bench", "torch", "transformers", "datasets", "lm_eval", "pluggy")
@@ -161,14 +162,32 @@ def environment(device: str) -> dict[str, Any]:
 
 def append_record(path: str | Path, record: Record | Mapping[str, Any]) -> None:
     """Append one record (or any JSON object: a store entry) as a single strict-JSON line (no NaN, no tensors:
-    ValueError naming the field) and fsync, so a crash never leaves half a record."""
+    ValueError naming the field) and fsync. The line is written whole or not at all: a failed write (a full disk)
+    truncates the file back to its previous size and is one OSError naming ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     line = strict_json.dumps(record.to_json() if isinstance(record, Record) else dict(record), sort_keys=True) + "\n"
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(line)
-        handle.flush()
-        os.fsync(handle.fileno())
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(descriptor).st_size
+        try:
+            _write_all(descriptor, line.encode("utf-8"))
+            os.fsync(descriptor)
+        except BaseException as error:
+            os.ftruncate(descriptor, size)
+            if isinstance(error, OSError):
+                raise write_error(path, error) from error
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def _write_all(descriptor: int, data: bytes) -> None:
+    """``data`` written to ``descriptor`` by as few ``os.write`` calls as the system allows (one, for a line)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(descriptor, view):]
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:

@@ -73,6 +73,16 @@ def model_copy(tmp_path: Path, source: Path = STORIES_MHA) -> Path:
     (["--eval-batch-size", "-3"], ["eval_batch_size=-3", "allowed: an integer >= 1"]),
     (["--compensator", "ridge", "--compensator-param", "lam='1e-2'"], ["lam='1e-2' is text", "write 1.0e-02"]),
     (["--ppl", "bogus"], ["'bogus'", "allowed: rcpu128"]),
+    # budgets the model's shape decides: per-layer ratios of the allocation, round_to, a depth method's layers
+    (["--allocation", "log-increase", "--ratio", "0.9"], ["log-increase at ratio=0.9", "last layer ratio 1.513"]),
+    (["--allocation", "log-increase", "--ratio", "0.55", "--rounding", "ceil"],
+     ["allocation 'log-increase' at ratio=0.55 gives layer 4 ratio", "would prune all 8 heads"]),
+    (["--round-to", "100000"], ["round_to=100000", "layer 0's attention has 8", "allowed: 0, or a round_to of"]),
+    (["--model-method", "replaceme", "--ratio", "0.99"], ["ratio=0.99", "5 of 5 layers", "allowed: a ratio that"]),
+    (["--model-method", "shortgpt", "--ratio", "0.01"], ["ratio=0.01", "0 of 5 layers"]),
+    # calibration sizes: a window needs a next token; the total is bounded
+    (["--calib", "tinystories:1x1"], ["calibration seqlen 1", "allowed: a seqlen of at least 2"]),
+    (["--calib", "tinystories:100000x128"], ["12,800,000 tokens", "allowed: at most 2,097,152 tokens"]),
 ])
 def test_prune_refuses_bad_options_before_loading(args, needles, capsys, no_loading):
     assert_one_line_error(*run(["prune", "--model", str(STORIES_MHA), *QUICK, *args], capsys), *needles)
@@ -165,6 +175,14 @@ def test_a_too_short_calibration_text_is_refused_before_loading(calib, needles, 
 
 
 @needs_stories
+def test_a_calibration_file_that_is_not_a_regular_file_is_refused(capsys, no_loading, tmp_path):
+    endless = tmp_path / "endless.txt"
+    endless.symlink_to("/dev/zero")
+    code, err = run(["prune", "--model", str(STORIES_MHA), *QUICK, "--calib", f"file:{endless}"], capsys)
+    assert_one_line_error(code, err, f"calibration file {endless} is not a regular file")
+
+
+@needs_stories
 def test_an_unsatisfiable_holdout_is_refused_before_loading(capsys, no_loading):
     code, err = run(["prune", "--model", str(STORIES_MHA), *QUICK, "--holdout", "100000"], capsys)
     assert_one_line_error(code, err, "holdout=100000", "allowed: holdout <=")
@@ -198,6 +216,7 @@ BROKEN = {
     "garbage weights": (_garbage, ["model.safetensors is not a readable safetensors file"]),
     "no tokenizer": (_no_tokenizer, ["no usable tokenizer in", "expected tokenizer.json"]),
     "bad config": (_bad_config, ["config.json", "not a valid JSON file"]),
+    "no config": (lambda d: (d / "config.json").unlink(), ["has no config.json", "allowed: a model directory"]),
 }
 
 
@@ -254,6 +273,30 @@ def test_a_plugin_contract_breach_on_a_real_layer_is_one_line(capsys, monkeypatc
     assert not out.exists()
 
 
+class RaisingOnRealLayers:
+    """A scorer that passes the 4-column trial run but raises on a real layer."""
+
+    from rcpu_bench import hookimpl
+
+    @hookimpl
+    def register_scorers(self, register):
+        def fragile(weight, stats):
+            """One score per column, up to 4 columns."""
+            if weight.shape[1] > 4:
+                raise RuntimeError("cannot score this many columns")
+            return weight.abs().sum(0)
+
+        register("fragile", fragile)
+
+
+@needs_stories
+def test_a_plugin_that_raises_on_a_real_layer_is_one_line_naming_it_and_the_layer(capsys, monkeypatch):
+    registry: Registry = build_registry(plugin_manager([("fragility", RaisingOnRealLayers())]))
+    monkeypatch.setattr("rcpu_bench.experiment.default_registry", lambda: registry)
+    code, err = run(["prune", "--model", str(STORIES_MHA), *QUICK, "--scorer", "fragile"], capsys)
+    assert_one_line_error(code, err, "scorer 'fragile' from fragility failed on layer 0: RuntimeError: cannot score")
+
+
 # ---------------------------------------------------------------------------------- run, tables, stores
 
 
@@ -286,6 +329,14 @@ def test_a_matrix_ratio_is_checked_against_each_models_units(capsys, no_loading,
     assert_one_line_error(code, err, "ratio=0.95", "all 8 heads")
 
 
+@needs_stories
+def test_a_matrix_round_to_is_checked_against_each_models_shape(capsys, no_loading, tmp_path):
+    code, err = run(["run", "--matrix", "smoke", "--model", str(STORIES_MHA), "--results", str(tmp_path / "r"),
+                     "--set", "prune.round_to=100000"], capsys)
+    assert_one_line_error(code, err, "round_to=100000", "layer 0's attention has 8")
+    assert not (tmp_path / "r").exists()
+
+
 def _store(tmp_path: Path, lines: list[str]) -> Path:
     (tmp_path / "records.jsonl").write_text("".join(line + "\n" for line in lines))
     return tmp_path
@@ -301,7 +352,7 @@ def test_a_corrupted_store_line_is_named(command, capsys, tmp_path):
 def test_tables_names_an_unknown_profile(capsys, tmp_path):
     store = _store(tmp_path, [])
     code, err = run(["tables", "--results", str(store), "--profile", "bogus"], capsys)
-    assert_one_line_error(code, err, "'bogus'", "allowed: rcpu128, std2048, tinystories")
+    assert_one_line_error(code, err, "'bogus'", "allowed: rcpu128, ")
 
 
 # ------------------------------------------------------------------------------------ the hold-out bound

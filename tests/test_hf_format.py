@@ -15,6 +15,7 @@ from packaging.version import Version
 from tiny_models import STORIES, STORIES_MHA, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from rcpu_bench.atomic_file import file_sha256
 from rcpu_bench.cli import main
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_model, parameter_count
@@ -202,6 +203,10 @@ def plant_remote_code(directory, marker):
     config.update(model_type="evil_llama", auto_map={"AutoConfig": "configuration_evil.EvilConfig",
                                                      "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
     (directory / "config.json").write_text(json.dumps(config))
+    if (directory / MANIFEST).is_file():  # planted as if saved so: the manifest records the new config's checksum
+        manifest = json.loads((directory / MANIFEST).read_text())
+        manifest["sha256"]["config.json"] = file_sha256(directory / "config.json")
+        (directory / MANIFEST).write_text(json.dumps(manifest))
     (directory / "configuration_evil.py").write_text(EVIL_CONFIG.format(marker=str(marker)))
     (directory / "modeling_evil.py").write_text(EVIL_MODEL)
 
@@ -271,6 +276,8 @@ def test_format_2_per_layer_directories_still_load(tmp_path):
                 "layer_down_proj_bias": ["mlp.down_proj" in names for names in biases]}
     (tmp_path / "m" / "config.json").write_text(json.dumps(format_2))
     manifest = json.loads((tmp_path / "m" / MANIFEST).read_text())
-    (tmp_path / "m" / MANIFEST).write_text(json.dumps({**manifest, "format_version": 2, "config": "rcpu_llama"}))
+    weights = {"model.safetensors": manifest["sha256"]["model.safetensors"]}  # format 2 recorded no config checksum
+    (tmp_path / "m" / MANIFEST).write_text(json.dumps({**manifest, "format_version": 2, "config": "rcpu_llama",
+                                                       "sha256": weights}))
     ids = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits(load_pruned(tmp_path / "m").model, ids), logits(model, ids))

@@ -52,7 +52,7 @@ def test_round_trip_gives_identical_logits_and_counts(tmp_path, tie, rule):
 def test_manifest_records_each_layer(tmp_path):
     model = pruned_tiny()
     manifest = save_pruned(model, tmp_path / "m")
-    assert manifest["format_version"] == 3 and manifest["config"] == "per_layer" and len(manifest["layers"]) == 3
+    assert manifest["format_version"] == 4 and manifest["config"] == "per_layer" and len(manifest["layers"]) == 3
     for record, geo, layer in zip(manifest["layers"], layer_geometries(model), model.model.layers):
         assert (record["n_heads"], record["n_kv_heads"], record["intermediate"]) == (geo.n_heads, geo.n_kv_heads,
                                                                                      geo.intermediate)
@@ -108,7 +108,7 @@ def test_missing_manifest_and_unknown_version(tmp_path):
     path = tmp_path / "m" / MANIFEST
     manifest = json.loads(path.read_text())
     path.write_text(json.dumps({**manifest, "format_version": 99}))
-    with pytest.raises(ValueError, match="version 99; supported: 'rcpu-bench-pruned' version 1, 2, 3"):
+    with pytest.raises(ValueError, match="version 99; supported: 'rcpu-bench-pruned' version 1, 2, 3, 4"):
         load_pruned(tmp_path / "m")
 
 
@@ -139,8 +139,11 @@ def test_corrupt_format_1_manifests_are_rejected(tmp_path, edit, message):
     (lambda m, c: m.update(config="family"), "says config 'family' but config.json is a RcpuPrunedConfig"),
 ])
 def test_corrupt_format_3_directories_are_rejected(tmp_path, edit, message):
+    """Format 3 recorded no checksum of config.json, so an edited one is caught by the shapes it builds."""
     save_pruned(pruned_tiny(), tmp_path / "m")
     manifest, config = (json.loads((tmp_path / "m" / name).read_text()) for name in (MANIFEST, "config.json"))
+    manifest["format_version"] = 3
+    del manifest["sha256"]["config.json"]
     edit(manifest, config)
     (tmp_path / "m" / MANIFEST).write_text(json.dumps(manifest))
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
@@ -245,12 +248,13 @@ def test_corrupted_weights_are_refused_by_their_checksum(tmp_path, corrupt):
         load_pruned(tmp_path / "m")
 
 
-def test_the_manifest_records_the_weights_sha256(tmp_path):
+def test_the_manifest_records_the_weights_and_config_sha256(tmp_path):
     import hashlib
 
     manifest = save_pruned(pruned_tiny(), tmp_path / "m")
-    digest = hashlib.sha256((tmp_path / "m" / "model.safetensors").read_bytes()).hexdigest()
-    assert manifest["sha256"] == {"model.safetensors": digest} == read_manifest(tmp_path / "m")["sha256"]
+    digests = {name: hashlib.sha256((tmp_path / "m" / name).read_bytes()).hexdigest()
+               for name in ("model.safetensors", "config.json")}
+    assert manifest["sha256"] == digests == read_manifest(tmp_path / "m")["sha256"]
 
 
 def test_another_models_weights_are_refused(tmp_path):
@@ -264,10 +268,11 @@ def test_another_models_weights_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize(("weights", "message"), [
-    ("../b/model.safetensors", "must name a file inside"),
-    ("ABSOLUTE", "must name a file inside"),
-    ("", "must name a file inside"),
-    (7, "must name a file inside"),
+    ("../b/model.safetensors", "allowed: the name of a .safetensors file inside"),
+    ("ABSOLUTE", "allowed: the name of a .safetensors file inside"),
+    ("", "allowed: the name of a .safetensors file inside"),
+    (7, "allowed: the name of a .safetensors file inside"),
+    ("config.json", "weights 'config.json' is not allowed; allowed: the name of a .safetensors file inside"),
     ("other.safetensors", "sha256 records no checksum for the weights file 'other.safetensors'"),
 ])
 def test_the_manifest_weights_cannot_point_elsewhere(tmp_path, weights, message):

@@ -244,7 +244,7 @@ def test_a_dry_run_lists_the_cells_without_running_them(capsys, tmp_path):
     (["--matrix", "smok"], "shipped: ablation, factorial, full, ncalib, paper, smoke"),
     (["--matrix", "smoke", "--set", "colour=red"], "unknown key 'colour'"),
     (["--matrix", "smoke", "--model", "/no/such/model"], "/no/such/model"),
-    (["--matrix", "smoke", "--set", "calib.seqlen=100000"], "seqlen 100000 exceeds"),
+    (["--matrix", "smoke", "--set", "calib.seqlen=100000", "--set", "calib.n_calib=[8]"], "seqlen 100000 exceeds"),
     pytest.param(["--matrix", "ablation"], "huggyllama/llama-7b", marks=pytest.mark.slow),  # ~20 s: a hub id offline
 ])
 def test_bad_input_is_reported_before_any_cell_runs(capsys, tmp_path, args, message):

@@ -4,7 +4,8 @@ only when its subcommand runs, so ``rcpu-bench --version`` and ``rcpu-bench --he
 A subcommand module has ``add_arguments(parser)`` and ``run(args) -> exit code``, the latter wrapped in
 :func:`command`: bad input (a ValueError, KeyError or OSError such as FileNotFoundError, or a missing optional
 dependency) is one line ``rcpu-bench <name>: error: <message>`` on stderr and exit 2, no traceback (``--debug``
-shows it); Ctrl-C is one line and exit 130. Every parser refuses abbreviated options (``--eval 4`` is an error,
+shows it); Ctrl-C is one line and exit 130, and SIGTERM the same line and exit 143 (both unwind the command, so
+that no staging file or directory is left). Every parser refuses abbreviated options (``--eval 4`` is an error,
 not ``--eval-batch-size 4``); progress and log lines follow ``rcpu_bench.console`` (``--quiet``, timestamped
 lines when the output is not a terminal).
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +42,20 @@ COMMANDS = {
 INPUT_ERRORS = (ValueError, KeyError, OSError, ImportError)
 
 Run = Callable[[argparse.Namespace], int]
+INTERRUPTED, TERMINATED = 130, 128 + signal.SIGTERM  # exit codes of Ctrl-C and SIGTERM, as a shell reports them
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so that it unwinds (its writes removing their staging) as on Ctrl-C."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def interrupted_code(error: KeyboardInterrupt) -> int:
+    """The exit code of an interrupted command: 143 after SIGTERM, 130 after Ctrl-C."""
+    return TERMINATED if isinstance(error, Terminated) else INTERRUPTED
 
 
 class Parser(argparse.ArgumentParser):
@@ -91,7 +108,8 @@ def subcommand_parser(name: str, parser: argparse.ArgumentParser | None = None) 
 
 def command(*, interrupted: str = "") -> Callable[[Run], Run]:
     """The one error mapping of every subcommand's ``run``: :data:`INPUT_ERRORS` → one line on stderr and exit 2
-    (with ``--debug``: raised, traceback shown); Ctrl-C → ``rcpu-bench: interrupted<interrupted>`` and exit 130."""
+    (with ``--debug``: raised, traceback shown); Ctrl-C → ``rcpu-bench: interrupted<interrupted>`` and exit 130
+    (143 after SIGTERM)."""
     def wrap(run: Run) -> Run:
         @functools.wraps(run)
         def mapped(args: argparse.Namespace) -> int:
@@ -105,24 +123,30 @@ def command(*, interrupted: str = "") -> Callable[[Run], Run]:
                 message = error.args[0] if isinstance(error, KeyError) and error.args else error
                 print(f"rcpu-bench {args.command}: error: {message}", file=sys.stderr)
                 return 2
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as interruption:
                 # Records are appended whole and only after a run ends, so nothing torn is left.
                 console.interrupted(interrupted)
-                return 130
+                return interrupted_code(interruption)
         return mapped
     return wrap
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the command: its exit code, 2 on bad input, 130 on Ctrl-C (one line, no traceback)."""
+    """Parse ``argv`` and run the command: its exit code, 2 on bad input, 130 on Ctrl-C and 143 on SIGTERM (one
+    line, no traceback). SIGTERM is handled as Ctrl-C while the command runs (the previous handler is restored)."""
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         args = build_parser().parse_args(argv)
         from rcpu_bench import console
 
         console.configure(quiet=getattr(args, "quiet", False))
         return int(args.func(args))
-    except KeyboardInterrupt:  # while the command's modules load
+    except KeyboardInterrupt as interruption:  # while the command's modules load
         from rcpu_bench import console
 
         console.interrupted()
-        return 130
+        return interrupted_code(interruption)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)

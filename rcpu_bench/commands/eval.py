@@ -1,20 +1,32 @@
 """``rcpu-bench eval``: zero-shot accuracy (any lm-eval task) of a model or a saved pruned directory, and the
-per-task table it prints (:mod:`rcpu_bench.evaluation.zeroshot` does the evaluation)."""
+per-task table it prints (:mod:`rcpu_bench.evaluation.zeroshot` does the evaluation).
+
+lm-eval's files (``--output-path``) are written whole or not at all: lm-eval writes them into a hidden staging
+directory, each is checked to be whole JSON and renamed into place with the user's file modes; a failed write
+leaves nothing behind."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
 
 from rcpu_bench import console, experiment_options
+from rcpu_bench.atomic_file import follow_umask, staging_sibling, write_error, writing
 from rcpu_bench.commands import command
 from rcpu_bench.commands.shared import check_models
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS
 from rcpu_bench.evaluation.zeroshot import SOURCES, TASK_FIELDS, check_output_path, plan_zeroshot, run_zeroshot
-from rcpu_bench.model.loading import parameter_count
+from rcpu_bench.model.loading import model_source, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
+from rcpu_bench.paths import check_not_input, check_output_dir, check_output_file
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.records import append_record, library_versions
 
@@ -83,22 +95,89 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     console.add_quiet_option(p)
 
 
+STAGING = "lm-eval"  # lm-eval's files are staged in .lm-eval.<pid>.<random>.partial inside their directory
+
+
+def output_directory(output_path: str) -> Path:
+    """The directory lm-eval writes its files under for ``--output-path``: the path, or a ``.json`` path's parent."""
+    path = Path(output_path).expanduser()
+    return path.parent if path.suffix == ".json" else path
+
+
+def check_destinations(args: argparse.Namespace) -> None:
+    """``--output-path`` and ``--out``: writable (tried by creating and removing a file) and none of the command's
+    inputs (the model's files, the data directory, the task directories)."""
+    inputs = [model_source(args.model), args.data_dir, *(args.include_path or [])]
+    if args.output_path:
+        check_output_path(args.output_path)
+        check_not_input(args.output_path, inputs, "--output-path")
+        check_output_dir(output_directory(args.output_path), "--output-path directory")
+    if args.out:
+        check_not_input(args.out, inputs, "--out file")
+        check_output_file(args.out, "--out file")
+
+
+@contextlib.contextmanager
+def staged_output(output_path: str | None) -> Iterator[str | None]:
+    """The ``output_path`` to hand lm-eval: the same name inside a hidden staging directory, whose files are
+    published whole (``publish``) when the block ends; the staging is removed whatever happens."""
+    if output_path is None:
+        yield None
+        return
+    directory = output_directory(output_path)
+    staging = staging_sibling(directory / STAGING, directory=True)
+    staged = str(staging / Path(output_path).name) if Path(output_path).suffix == ".json" else str(staging)
+    try:
+        yield staged
+        publish(staging, directory)
+    except OSError as error:  # lm-eval's own message names the staging path: name the user's
+        raise OSError(str(error).replace(staged, output_path)) from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(staging: Path, directory: Path) -> None:
+    """Move every file lm-eval wrote under ``staging`` to the same place under ``directory``, after checking each
+    is whole (JSON, or JSON lines: lm-eval logs a failed write and carries on) and giving it the user's modes."""
+    files = sorted(path for path in staging.rglob("*") if path.is_file())
+    for path in files:
+        check_whole(path, directory / path.relative_to(staging))
+    follow_umask(staging)
+    for path in files:
+        target = directory / path.relative_to(staging)
+        with writing(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+
+
+def check_whole(path: Path, target: Path) -> None:
+    """An OSError naming ``target`` unless lm-eval's file ``path`` is whole: JSON, or JSON lines for a ``.jsonl``."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    documents = text.splitlines() if path.suffix == ".jsonl" else [text]
+    try:
+        for document in documents:
+            if document.strip():
+                json.loads(document)
+    except ValueError as error:
+        raise write_error(target, OSError(f"lm-eval wrote it torn ({error}); is the disk full?")) from None
+
+
 @command()
 def run(args: argparse.Namespace) -> int:
     """Check everything, load the model, evaluate, print the table, append the record."""
     check_models([args.model], args)
     if args.log_samples and not args.output_path:
         raise ValueError("--log-samples needs --output-path (where lm-eval writes the samples)")
-    if args.output_path:
-        check_output_path(args.output_path)
+    check_destinations(args)
     plan = plan_zeroshot(args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.eval_batch_size,
                          source=args.source, metric_map=args.metric_map, num_fewshot=args.num_fewshot,
                          include_path=args.include_path)
     loaded = load_saved_or_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device,
-        registry=default_registry(),
-                                 trust_remote_code=args.trust_remote_code)
-    result = run_zeroshot(loaded.model, loaded.tokenizer, plan, log_samples=args.log_samples,
-                          output_path=args.output_path, model_name=args.model)
+                                 registry=default_registry(), trust_remote_code=args.trust_remote_code)
+    with staged_output(args.output_path) as output_path:
+        result = run_zeroshot(loaded.model, loaded.tokenizer, plan, log_samples=args.log_samples,
+                              output_path=output_path, model_name=args.model)
+    result["output_path"] = args.output_path
     print(format_table(result))
     print(f"source: {result['source']} ({result['source_reason']}); {result['examples']} examples in "
           f"{result['seconds']:.1f} s ({result['examples_per_second']:.1f}/s); lm-eval {result['lm_eval_version']}")

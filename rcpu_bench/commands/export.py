@@ -1,17 +1,39 @@
 """``rcpu-bench export``: write a saved pruned model (or a model directory) in another engine's format; GGUF for
-llama.cpp (:mod:`rcpu_bench.export.gguf`). Also ``prune --export-gguf``'s options and export."""
+llama.cpp (:mod:`rcpu_bench.export.gguf`). Also ``prune --export-gguf``'s options, checks and export.
+
+Everything an export can be refused for that the arguments, the model's config and its saved shapes decide is
+refused before a model loads (for ``prune --export-gguf``: before it is pruned and saved): the destination (a new,
+writable file that is none of the command's inputs), the family and tensor names, and q8_0's row lengths."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from rcpu_bench import console
 from rcpu_bench.commands import command
-from rcpu_bench.export.gguf import DTYPES, check_dtype, export_gguf, require_gguf
-from rcpu_bench.model.persistence import check_model_argument, load_saved_or_model
+from rcpu_bench.export.gguf import (
+    DTYPES,
+    Q8_0_BLOCK,
+    check_dtype,
+    check_exportable,
+    check_q8_0_rows,
+    export_gguf,
+    gguf_name,
+    gguf_rows,
+    require_gguf,
+)
+from rcpu_bench.model.adapter import decoder_layers, layer_view
+from rcpu_bench.model.loading import model_source
+from rcpu_bench.model.persistence import check_model_argument, load_saved_or_model, weightless_model
+from rcpu_bench.model.views import MODULES
+from rcpu_bench.paths import check_not_input, check_output_file
 from rcpu_bench.plugins import default_registry
+from rcpu_bench.pruning.allocation import units_to_prune
+from rcpu_bench.pruning.options import PruneConfig
+from rcpu_bench.registry import Registry
 
 FORMATS = ("gguf",)
 
@@ -33,15 +55,67 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf-outtype", default="float16", choices=DTYPES, help="type of --export-gguf's matrices")
 
 
-def check_export(name: str, out: str, outtype: str, *, overwrite: bool = False, check_model: bool = True) -> None:
-    """Everything an export can be refused for without loading the model: the output path, the type, the gguf
-    package and (``check_model``) the model argument."""
+def check_destination(out: str, outtype: str, *, overwrite: bool, inputs: Iterable[str | None]) -> None:
+    """The type and the gguf package, and the file ``out``: none of the command's ``inputs``, new unless
+    ``overwrite``, and writable (tried by creating and removing a file)."""
     check_dtype(outtype)
     require_gguf()
+    check_not_input(out, inputs, "GGUF file")
     if Path(out).exists() and not overwrite:
         raise FileExistsError(f"{out} already exists (pass --overwrite to replace it)")
-    if check_model:
-        check_model_argument(name, None)
+    check_output_file(out, "GGUF file")
+
+
+def check_export(name: str, out: str, outtype: str, *, overwrite: bool = False) -> None:
+    """Everything the export command can be refused for without loading the model: the destination (the model's own
+    files are inputs), the model argument, and what its config and shapes decide (``check_exportable`` on its
+    weightless model; a whole-model method's own saved format is refused)."""
+    check_destination(out, outtype, overwrite=overwrite, inputs=[model_source(name)])
+    check_model_argument(name, None)
+    model = weightless_model(name)
+    if model is None:
+        raise ValueError(f"model {name} was saved by a whole-model method in its own format, which GGUF export does "
+                         "not write; allowed: a directory saved by prune --save or a Llama model directory")
+    check_exportable(model, outtype)
+
+
+def check_prune_export(prune: PruneConfig, model_name: str, registry: Registry, *, revision: str | None,
+                       trust_remote_code: bool, outtype: str) -> None:
+    """What ``prune --export-gguf`` can be refused for before the model is loaded, pruned and saved: a whole-model
+    method (it saves its own format), the model's family and tensor names, and for q8_0 the row lengths the options
+    give the pruned model (``planned_rows``)."""
+    if prune.model_method is not None:
+        raise ValueError(f"--export-gguf with the whole-model method {prune.model_method!r}, which saves its own "
+                         "format that GGUF export does not write; allowed: a scorer × compensator run")
+    model = weightless_model(model_name, revision=revision, trust_remote_code=trust_remote_code)
+    rows = gguf_rows(model)
+    if outtype == "q8_0":
+        check_q8_0_rows({**rows, **planned_rows(model, prune, registry)})
+
+
+def planned_rows(model: Any, prune: PruneConfig, registry: Registry) -> dict[str, int]:
+    """llama.cpp's name → row length of each pruned consumer (o_proj, down_proj) of ``model`` once pruned by
+    ``prune``: kept units × unit size under the allocation's per-layer ratios; any multiple of q8_0's block under a
+    ``round_to`` of such a multiple. A plan whose widths are chosen on the model (AL-AM, a model allocation) or
+    rounded otherwise cannot be known before it runs: ValueError asking for such a round_to."""
+    ratios = prune.layer_ratios(registry, len(decoder_layers(model)))
+    aligned = prune.round_to and prune.round_to % Q8_0_BLOCK == 0
+    if not aligned and (ratios is None or prune.round_to):
+        raise ValueError(f"q8_0 needs rows of a multiple of {Q8_0_BLOCK} values, and the kept widths are chosen while "
+                         f"pruning (structure={prune.structure!r}, allocation={prune.allocation!r}, "
+                         f"round_to={prune.round_to}); allowed: --round-to {Q8_0_BLOCK} (or a multiple), or "
+                         "--gguf-outtype float16")
+    names = {id(module): name for name, module in model.named_modules()}
+    rows = {}
+    for index, layer in enumerate(decoder_layers(model)):
+        view = layer_view(layer)
+        for module in (m for m in MODULES if m in prune.prune):
+            units = view.units(module, prune.gqa_rule)
+            n = view.geometry.n_heads if units.group_size > 1 else view.n_units(module)
+            name = gguf_name(f"{names[id(view.projection(module))]}.weight")
+            rows[name] = (Q8_0_BLOCK if aligned else
+                          (n - units_to_prune(units, n, ratios[index], prune.rounding)) * units.unit_size)
+    return rows
 
 
 def export_model(name: str, out: str, outtype: str, *, overwrite: bool = False) -> dict[str, Any]:

@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     check_models(names, args)
     models = [load_saved_or_model(name, revision=args.revision, dtype=args.dtype, device=args.device,
-        registry=default_registry(),
-                                  trust_remote_code=args.trust_remote_code) for name in names]
+                                  registry=default_registry(), trust_remote_code=args.trust_remote_code)
+              for name in names]
     for loaded in models:  # every prompt fits every model's context, before the first is generated
         for prompt in args.prompt or [SAMPLE_PROMPT]:
             check_length(loaded.model, loaded.tokenizer, prompt, args.max_new_tokens)

@@ -1,18 +1,29 @@
 """``rcpu-bench prune``: prune one model with one scorer × compensator, evaluate it, print a summary and optionally
-append its record and save the pruned model."""
+append its record and save the pruned model.
+
+Everything the arguments, the config and the files on disk decide is refused before the model loads: the
+experiment (``Experiment.validate``: a saved model directory against its checksums, budgets, calibration), the
+destinations (writable, none of the inputs) and the GGUF export. A saved pruned directory is loaded as every other
+command loads it (``load_saved_or_model``)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import traceback
 from functools import partial
 
-from rcpu_bench import experiment_options
-from rcpu_bench.commands import command, export
+from rcpu_bench import experiment_options, paths
+from rcpu_bench.commands import INPUT_ERRORS, command, export
+from rcpu_bench.data import parse_calib
 from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, run_experiment
-from rcpu_bench.paths import check_output_file, default_model
+from rcpu_bench.model.loading import model_source
+from rcpu_bench.model.persistence import load_saved_or_model
+from rcpu_bench.paths import check_not_input, check_output_file, default_model
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import options
 from rcpu_bench.records import Record, append_record
-from rcpu_bench.registry import PluginContractError
+from rcpu_bench.registry import Method, PluginContractError
 
 DEFAULT_PPL = "rcpu128"
 
@@ -46,6 +57,54 @@ def summary(record: Record) -> str:
     return "\n".join(lines)
 
 
+def inputs(experiment: Experiment) -> list[str | None]:
+    """What a run reads and no output may be: the model (its directory), the calibration file and the data
+    directory."""
+    source = parse_calib(experiment.calib).source
+    data = experiment.data_dir
+    if data is None:
+        with contextlib.suppress(FileNotFoundError):  # no shared fixtures: no default data directory to protect
+            data = str(paths.data_dir())
+    return [model_source(experiment.model), source.removeprefix("file:") if source.startswith("file:") else None, data]
+
+
+def check_destinations(experiment: Experiment, args: argparse.Namespace) -> None:
+    """``--out`` and ``--export-gguf``: writable and none of the run's inputs (``--save`` is a new or empty
+    directory, checked by ``Experiment.validate``); the GGUF export's feasibility."""
+    read = inputs(experiment)
+    if args.out:
+        check_not_input(args.out, read, "--out file")
+        check_output_file(args.out, "--out file")
+    if args.export_gguf:
+        if not args.save:
+            raise ValueError("--export-gguf needs --save DIR (the GGUF file is written from the saved model)")
+        export.check_destination(args.export_gguf, args.gguf_outtype, overwrite=False,
+                                 inputs=[*read, args.out, args.save])
+        export.check_prune_export(experiment.prune, experiment.model, default_registry(), revision=args.revision,
+                                  trust_remote_code=args.trust_remote_code, outtype=args.gguf_outtype)
+
+
+def method_failure(error: BaseException) -> str | None:
+    """One line naming the registered method whose call failed with ``error`` and the decoder layer being pruned
+    (read from the traceback: the innermost method call, ``prune_model``'s layer index), or None for bad input
+    (already one line) or when no registered method was running: a plugin that fails on a real layer is reported
+    like bad input, not as a crash."""
+    if isinstance(error, INPUT_ERRORS):
+        return None
+    method, layer = None, None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        if frame.f_code.co_name == "prune_model":
+            layer = frame.f_locals.get("index")
+        if frame.f_code.co_name == "__call__" and isinstance(frame.f_locals.get("self"), Method):
+            method = frame.f_locals["self"]
+    where = "" if layer is None else f" on layer {layer}"
+    if isinstance(error, PluginContractError):
+        return f"{error}{where}"
+    if method is None:
+        return None
+    return f"{method.kind} {method.name!r} from {method.provider} failed{where}: {type(error).__name__}: {error}"
+
+
 @command()
 def run(args: argparse.Namespace) -> int:
     """Run the experiment and print its summary."""
@@ -53,18 +112,17 @@ def run(args: argparse.Namespace) -> int:
                             ppl_profiles=tuple(args.ppl or [DEFAULT_PPL]), revision=args.revision, dtype=args.dtype,
                             device=args.device, trust_remote_code=args.trust_remote_code,
                             eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
-    if args.export_gguf:
-        if not args.save:
-            raise ValueError("--export-gguf needs --save DIR (the GGUF file is written from the saved model)")
-        export.check_export(experiment.model, args.export_gguf, args.gguf_outtype, check_model=False)
-    if args.out:
-        check_output_file(args.out, "--out file")
+    check_destinations(experiment, args)
     # Validated whole before any work; the record is appended before the save, so a failing save keeps it.
     try:
         record = run_experiment(experiment, progress=not args.quiet,
+                                load=partial(load_saved_or_model, registry=default_registry()),
                                 keep_record=partial(append_record, args.out) if args.out else None)
-    except PluginContractError as error:  # a plugin that breaks its contract on a real layer: one line, as bad input
-        raise ValueError(str(error)) from error
+    except Exception as error:
+        line = method_failure(error)
+        if line is None:
+            raise
+        raise ValueError(line) from error
     print(summary(record))
     if args.out:
         print(f"record appended to {args.out}")

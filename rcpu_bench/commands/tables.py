@@ -14,6 +14,7 @@ from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES
 from rcpu_bench.matrix.spec import load_matrix
 from rcpu_bench.matrix.store import RECORDS, RESULTS_ROOT, matrix_results_dir, read_results
+from rcpu_bench.paths import check_not_input, check_output_file
 from rcpu_bench.tables.layout import TABLE_KINDS
 from rcpu_bench.tables.paper import read_paper
 from rcpu_bench.tables.render import FORMATS, render
@@ -64,10 +65,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="FILE", help="write to this file instead of stdout")
 
 
+def check_out(out: str, results_dir: Path) -> None:
+    """``--out``: writable (tried by creating and removing a file) and not the results store the tables are read
+    from."""
+    check_not_input(out, [results_dir / RECORDS], "--out file")
+    check_output_file(out, "--out file")
+
+
 @command()
 def run(args: argparse.Namespace) -> int:
     """Render the tables; skipped failed entries are counted on stderr."""
-    stored = read_results(results_dir_of(args))
+    results_dir = results_dir_of(args)
+    if args.out:
+        check_out(args.out, results_dir)
+    stored = read_results(results_dir)
     paper = read_paper() if args.reference == "paper" else None
     tables = make_tables(stored.results, args.table, profile=args.profile or default_profile(stored.results),
                          metric_map=args.metric_map, paper=paper, lambda_rule=args.lambda_rule)

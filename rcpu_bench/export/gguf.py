@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rcpu_bench.atomic_file import write_file_atomically
 from rcpu_bench.export.gguf_vocab import Vocab, gguf_vocab
 from rcpu_bench.model.adapter import model_view
 from rcpu_bench.model.persistence import unique_tensors
@@ -151,11 +152,30 @@ def check_dtype(dtype: str) -> None:
         raise ValueError(f"GGUF dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
 
 
-def _check_q8_0(tensors: dict[str, Tensor]) -> None:
-    for name, tensor in tensors.items():
-        if tensor.dim() == 2 and tensor.shape[1] % Q8_0_BLOCK:
-            raise ValueError(f"q8_0 needs rows of a multiple of {Q8_0_BLOCK} values; {name} has {tensor.shape[1]} "
+def check_q8_0_rows(rows: dict[str, int]) -> None:
+    """ValueError unless every matrix's row length (its in_features; ``rows``: GGUF name → length) is a whole number
+    of q8_0 blocks."""
+    for name, length in rows.items():
+        if length % Q8_0_BLOCK:
+            raise ValueError(f"q8_0 needs rows of a multiple of {Q8_0_BLOCK} values; {name} has {length} "
                              f"(prune with --round-to {Q8_0_BLOCK}, or export float16)")
+
+
+def gguf_rows(model: Any) -> dict[str, int]:
+    """llama.cpp's name → row length (in_features) of every matrix of ``model`` (weightless, meta, too), after the
+    checks that the model's config and shapes decide: config, widths, tensor names."""
+    check_config(model.config)
+    layer_widths(model)
+    return {gguf_name(name): tensor.shape[1] for name, tensor in unique_tensors(model).items() if tensor.dim() == 2}
+
+
+def check_exportable(model: Any, dtype: str) -> None:
+    """Everything ``export_gguf`` refuses that the model's config and shapes decide (dtype, ``gguf_rows``' checks,
+    q8_0 row lengths), on a weightless (meta) model too: an export is refused before a model loads."""
+    check_dtype(dtype)
+    rows = gguf_rows(model)
+    if dtype == "q8_0":
+        check_q8_0_rows(rows)
 
 
 def _encoded(gguf: Any, tensor: Tensor, dtype: str) -> tuple[np.ndarray, Any]:
@@ -176,9 +196,14 @@ def _file_type(gguf: Any, dtype: str) -> int:
 
 
 def _write_vocab(writer: Any, vocab: Vocab) -> None:
-    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_model(vocab.model)
+    if vocab.pre is not None:
+        writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
-    writer.add_token_scores(vocab.scores)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
+    if vocab.merges is not None:
+        writer.add_token_merges(vocab.merges)
     writer.add_token_types(vocab.types)
     for add, value in ((writer.add_bos_token_id, vocab.bos_id), (writer.add_eos_token_id, vocab.eos_id),
                        (writer.add_unk_token_id, vocab.unk_id)):
@@ -193,23 +218,21 @@ def export_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, dtype: s
                 name: str = "rcpu-bench pruned model", overwrite: bool = False) -> dict[str, Any]:
     """Write ``model`` (a Llama, pruned or not) and its ``tokenizer`` to the GGUF file ``path``.
 
-    Everything is checked first (dtype, config, widths, tensor names, tokenizer, q8_0 row lengths); the file
-    is written beside ``path`` and renamed into place, so a failure leaves no partial file. Returns a summary:
-    path, architecture, dtype, tensor count, per-layer widths.
+    Everything is checked first (``check_exportable``, the tokenizer); the file is written beside ``path`` and
+    renamed into place (``write_file_atomically``), so a failure (a full disk) leaves no partial file, and a file
+    another writer published meanwhile is replaced only with ``overwrite``. Returns a summary: path, architecture,
+    dtype, tensor count, per-layer widths.
     """
     gguf = require_gguf()
-    check_dtype(dtype)
     target = Path(path)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
     if tokenizer is None:
         raise ValueError("the model has no tokenizer: llama.cpp needs the vocabulary in the GGUF file")
+    check_exportable(model, dtype)
     config = model.config
-    check_config(config)
     widths = layer_widths(model)
     tensors = gguf_tensors(model, widths)
-    if dtype == "q8_0":
-        _check_q8_0(tensors)
     vocab = gguf_vocab(tokenizer, tensors["token_embd.weight"].shape[0])
     arch = "llama" if widths.uniform else "deci"
 
@@ -233,16 +256,16 @@ def export_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, dtype: s
         array, qtype = _encoded(gguf, tensor, dtype)
         writer.add_tensor(tensor_name, array, raw_dtype=qtype)
 
+    def write(staging: Path) -> None:
+        try:
+            writer.write_header_to_file(staging)
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.partial")
-    try:
-        writer.write_header_to_file(partial)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
+    write_file_atomically(target, write, replace=overwrite)
     return {"path": str(target), "architecture": arch, "dtype": dtype, "tensors": len(tensors),
             "heads": widths.heads, "kv_heads": widths.kv_heads, "channels": widths.channels}
 

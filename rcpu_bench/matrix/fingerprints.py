@@ -1,9 +1,10 @@
-"""What a stored cell was computed from, by content: the model's files and the calibration text.
+"""What a stored cell was computed from, by content: the model's files, the calibration text and the evaluation data.
 
-A cell id hashes the *names* of its model and calibration source, so a model directory overwritten with other
-weights, or an edited ``file:`` corpus, keeps its ids. Every store entry therefore keeps a fingerprint
-(``entry["fingerprint"] = {"model": ..., "calibration": ...}``), and a resumed run skips a finished cell only
-when both still match; a changed one is reported and run again (cell ids are unchanged).
+A cell id hashes the *names* of its model, calibration source and evaluation profiles, so a model directory
+overwritten with other weights, an edited ``file:`` corpus or a replaced evaluation file keeps its ids. Every store
+entry therefore keeps a fingerprint (``entry["fingerprint"] = {"model": ..., "calibration": ..., "evaluation":
+...}``), and a resumed run skips a finished cell only when each still matches; a changed one is reported and run
+again (cell ids are unchanged). An entry stored before a part was fingerprinted is not checked on that part.
 
 - model: for a local directory, ``sha256:`` + sha256 over the sorted (file name, sha256 of its bytes) of every
   file in it (config, weights, tokenizer, manifest; not subdirectories): a content hash. Reading the weights
@@ -11,6 +12,8 @@ when both still match; a changed one is reported and run again (cell ids are unc
   other weights of the same shapes. For a hub id, ``commit:`` + the resolved commit, which fixes the content.
 - calibration: the sha256 of the calibration source's file (``record["calibration"]["sha256"]``, which entries
   written before fingerprints also hold).
+- evaluation: ``sha256:`` + sha256 over the sorted (profile, sha256 of its source file) of the cell's perplexity
+  profiles and, when the cell evaluates zero-shot accuracy, the (file, sha256) of the zero-shot tasks' data files.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rcpu_bench import data
+from rcpu_bench.evaluation import perplexity
 from rcpu_bench.matrix.cells import Cell
 from rcpu_bench.model.loading import load_config, model_source
 from rcpu_bench.model.persistence import file_sha256
@@ -44,8 +48,22 @@ def calibration_fingerprint(calib: str, data_dir: str | None = None) -> str:
     return data.load_source(data.parse_calib(calib).source, data_dir).sha256
 
 
+def evaluation_fingerprint(profiles: tuple[str, ...], data_dir: str | None, zeroshot: bool) -> str:
+    """``sha256:<hex>`` of the data a cell is evaluated on: its perplexity profiles' source files and, with
+    ``zeroshot``, the zero-shot tasks' data files."""
+    digest = hashlib.sha256()
+    for profile in sorted(profiles):
+        digest.update(f"{profile}\0{perplexity.profile_source(profile, data_dir).sha256}\n".encode())
+    if zeroshot:
+        from rcpu_bench.evaluation.zeroshot import plan_zeroshot  # lm-eval: imported only when asked for
+
+        for name, sha256 in sorted(plan_zeroshot().data_files.items()):  # as a cell evaluates them
+            digest.update(f"zeroshot:{name}\0{sha256}\n".encode())
+    return f"sha256:{digest.hexdigest()}"
+
+
 class Fingerprints:
-    """Each cell's fingerprint, computed once per model and calibration source in a run."""
+    """Each cell's fingerprint, computed once per model, calibration source and evaluation setting in a run."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple[str, ...], str] = {}
@@ -61,7 +79,10 @@ class Fingerprints:
                            lambda: model_fingerprint(experiment.model, cell.revision))
         calib = self._once(("calibration", experiment.calib),
                            lambda: calibration_fingerprint(experiment.calib, experiment.data_dir))
-        return {"model": model, "calibration": calib}
+        zeroshot = "zeroshot" in cell.eval
+        evaluation = self._once(("evaluation", *experiment.ppl_profiles, str(experiment.data_dir), str(zeroshot)),
+                                lambda: evaluation_fingerprint(experiment.ppl_profiles, experiment.data_dir, zeroshot))
+        return {"model": model, "calibration": calib, "evaluation": evaluation}
 
 
 def stored_fingerprint(entry: dict[str, Any]) -> dict[str, str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+from torch import nn
 from tqdm.auto import tqdm
 
 from rcpu_bench.matrix.executors import Executor, make_executor
@@ -44,9 +45,7 @@ from rcpu_bench.matrix.store import (
     StoredResult,
     read_results,
 )
-from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_config, model_skeleton
-from rcpu_bench.model.views import LayerGeometry
 from rcpu_bench.paths import check_output_dir
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.methods import percent
@@ -66,13 +65,14 @@ def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> No
 
     ``expand`` validated each cell's PruneConfig; here each distinct setting of the rest of the
     experiment (model, calibration and hold-out count, profiles, dtype, device) is validated once with
-    Experiment.validate, each cell's ratio against its model's unit counts, the zero-shot tasks' data once
-    when a cell asks for them, llama-cpp-python and the models' GGUF export when a cell asks for llama.cpp speed.
+    Experiment.validate, each cell's budgets against its model's shape (``PruneConfig.check_budget``), the
+    zero-shot tasks' data once when a cell asks for them, llama-cpp-python and the models' GGUF export when a cell
+    asks for llama.cpp speed.
     ``here``: the cells run in this process, so their device must exist here (not so for a Ray cluster's
     workers).
     """
     validated: set[str] = set()
-    geometries: dict[tuple[str, str | None], list[LayerGeometry]] = {}
+    skeletons: dict[tuple[str, str | None], nn.Module] = {}
     for cell in cells:
         try:
             experiment = cell.experiment()
@@ -82,9 +82,9 @@ def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> No
                 experiment.validate(registry, here=here)
                 validated.add(setting)
             model = (experiment.model, experiment.revision)
-            if model not in geometries:
-                geometries[model] = layer_geometries(model_skeleton(load_config(*model)[0]))
-            experiment.prune.check_units(geometries[model])
+            if model not in skeletons:
+                skeletons[model] = model_skeleton(load_config(*model)[0])
+            experiment.prune.check_budget(skeletons[model], registry)
         except (ValueError, KeyError, OSError) as error:
             where = f"cell {cell.id} ({cell.describe()}, model {cell.model})"
             raise MatrixError(f"{where}: {error_message(error)}") from None

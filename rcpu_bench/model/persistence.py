@@ -12,19 +12,24 @@ A pruned model is saved as a directory with
   without rcpu-bench, by the source written beside it with ``trust_remote_code=True``;
 - ``rcpu_manifest.json``: the shape of every layer (query/kv heads, head size, intermediate size,
   o_proj/down_proj biases), the parameter count, the kind of config written, the method, the provenance and
-  the sha256 of the weights file (``"sha256": {file: hex digest}``), which loading verifies;
+  the sha256 of the weights file and of config.json (``"sha256": {file: hex digest}``), which every command
+  verifies before it loads the directory (``check_saved``);
 - ``README.md``: a model card (method, ratio, calibration, parameter count, perplexities);
 - the tokenizer files, when a tokenizer is given.
 
-``load_pruned`` builds the model without weights (meta device) from config.json, checks each layer
-against the manifest, checks the weights file's sha256 (and that ``weights`` names a file inside the directory),
-then loads the weights strictly; it needs nothing but that directory, and also reads format versions 1 (the
-original config, which it shrinks layer by layer with the surgery functions) and 2 (a ``LlamaConfig``, or the
-Llama-only per-layer ``RcpuLlamaConfig`` it reads as an ``RcpuPrunedConfig``).
+``load_pruned`` checks the sha256 of the weights file and config.json (and that ``weights`` names a safetensors
+file inside the directory), builds the model without weights (meta device) from config.json, checks each layer
+against the manifest, then loads the weights strictly; it needs nothing but that directory, and also reads format
+versions 1 (the original config, which it shrinks layer by layer with the surgery functions), 2 (a
+``LlamaConfig``, or the Llama-only per-layer ``RcpuLlamaConfig`` it reads as an ``RcpuPrunedConfig``) and 3 (no
+checksum of config.json): a directory saved before a file's checksum was recorded loads with a warning naming the
+risk. A directory that rcpu-bench saved (its config class, model card or model source files say so) but whose
+manifest is gone is refused: deleting the manifest does not turn the checks off.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model as load_weights
 from safetensors.torch import save_file
 from torch import Tensor, nn
@@ -42,6 +48,7 @@ from rcpu_bench.atomic_file import file_sha256, write_atomically
 from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import layer_geometries, model_view
 from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, format_2_per_layer_config, write_per_layer_config
+from rcpu_bench.model.hf_format.modeling_rcpu_pruned import SOURCE_FILES
 from rcpu_bench.model.loading import (
     LoadedModel,
     check_remote_code,
@@ -49,12 +56,14 @@ from rcpu_bench.model.loading import (
     load_config,
     load_model,
     load_tokenizer,
+    model_skeleton,
     model_source,
     parameter_count,
     resolve_device,
     resolve_dtype,
 )
 from rcpu_bench.model.views import MODULES, LayerView
+from rcpu_bench.paths import inside
 from rcpu_bench.records import library_versions
 
 try:
@@ -63,11 +72,15 @@ except ImportError:  # huggingface_hub < 0.35 (the transformers 4.x floor): conf
     StrictDataclassError = ValueError  # type: ignore[misc,assignment]
 
 FORMAT = "rcpu-bench-pruned"
-FORMAT_VERSION = 3
-SUPPORTED_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # 4: config.json's sha256 recorded too
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "rcpu_manifest.json"
 WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
 CARD = "README.md"
+CARD_TITLE = "# Pruned model (rcpu-bench)"
+SAVED_CONFIG_TYPES = (RcpuPrunedConfig.model_type, "rcpu_llama")  # config.json model types only rcpu-bench writes
+RE_SAVE = "re-save it (save_pruned of the loaded model, or prune --save again) to record them"
 CONFIG_KINDS = ("family", "per_layer", "llama", "rcpu_llama", "original")  # the last three: formats 1 and 2
 
 log = logging.getLogger(__name__)
@@ -109,7 +122,7 @@ def model_card(manifest: dict, record: dict | None = None) -> str:
                              "or without rcpu-bench with "
                              "`trust_remote_code=True` (transformers runs `modeling_rcpu_pruned.py` from this "
                              "directory)."]}
-    lines = ["# Pruned model (rcpu-bench)", "", f"Pruned from `{source}` by rcpu-bench.", "",
+    lines = [CARD_TITLE, "", f"Pruned from `{source}` by rcpu-bench.", "",
              "| | |", "|---|---|"]
     named = [("model method", "model_method"), ("scorer", "scorer"), ("compensator", "compensator"),
              ("ratio", "ratio"), ("structure", "structure"), ("statistics", "statistics")]
@@ -152,19 +165,28 @@ def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
     card = model_card(manifest, record)
 
     def write(staging: Path) -> None:
-        save_file(unique_tensors(model), str(staging / WEIGHTS), metadata={"format": "pt"})
+        save_weights(unique_tensors(model), staging / WEIGHTS)
         if kind == "per_layer":
             write_per_layer_config(config, staging)
         else:
             config.save_pretrained(staging)
         if tokenizer is not None:
             save_tokenizer(tokenizer, staging)
-        manifest["sha256"] = {WEIGHTS: file_sha256(staging / WEIGHTS)}
+        manifest["sha256"] = {name: file_sha256(staging / name) for name in (WEIGHTS, CONFIG)}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         (staging / CARD).write_text(card)
 
     write_atomically(directory, write, overwrite=overwrite)
     return manifest
+
+
+def save_weights(tensors: dict[str, Tensor], path: Path) -> None:
+    """Write ``tensors`` as a safetensors file; a failed write (a full disk) is an OSError, as Python's own writes
+    are, not safetensors' SafetensorError."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as error:
+        raise OSError(str(error)) from error
 
 
 def saved_config(model: PreTrainedModel) -> tuple[str, PretrainedConfig]:
@@ -254,17 +276,16 @@ def unique_tensors(model: nn.Module) -> dict[str, Tensor]:
 
 
 def weights_file(directory: Path, name: Any) -> Path:
-    """The manifest's ``weights`` file: a relative name that stays inside ``directory`` (else ValueError)."""
+    """The manifest's ``weights`` file: a relative name of a safetensors file that stays inside ``directory`` (else
+    ValueError)."""
     path = directory / str(name)
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or not _inside(path, directory):
-        raise ValueError(f"{directory / MANIFEST}: weights {name!r} must name a file inside {directory}")
+    if (not isinstance(name, str) or not name or Path(name).is_absolute() or not inside(path, directory)
+            or Path(name).suffix != ".safetensors"):
+        raise ValueError(f"{directory / MANIFEST}: weights {name!r} is not allowed; allowed: the name of a "
+                         f".safetensors file inside {directory}")
     if not path.is_file():
         raise FileNotFoundError(f"{directory / MANIFEST} names the weights file {name!r}, which is missing")
     return path
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    return path.resolve().is_relative_to(directory.resolve())
 
 
 def recorded_sha256(manifest: dict[str, Any], where: Path) -> str | None:
@@ -282,12 +303,46 @@ def recorded_sha256(manifest: dict[str, Any], where: Path) -> str | None:
 def verify_checksum(path: Path, expected: str | None) -> None:
     """Compare ``path``'s sha256 with the manifest's; a directory saved before checksums is loaded with a warning."""
     if expected is None:
-        log.warning("%s has no recorded sha256 (saved before rcpu-bench recorded checksums): not verified", path)
+        warn_once(f"{path} has no recorded sha256 (saved before rcpu-bench recorded checksums): a corrupted or "
+                  f"replaced file would load unnoticed; {RE_SAVE}")
         return
     found = file_sha256(path)
     if found != expected:
         raise ValueError(f"{path} is corrupted or was replaced: its sha256 is {found}, the manifest records "
                          f"{expected}")
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning once per process: a directory is checked before it loads and again as it loads."""
+    log.warning(message)
+
+
+def check_config_checksum(directory: Path, manifest: dict[str, Any]) -> None:
+    """Compare config.json's sha256 with the one the manifest records (format 4 on: a missing one is an error);
+    a manifest of format 1-3, written before it was recorded, leaves config.json unverified with a warning."""
+    where = directory / MANIFEST
+    checksums = manifest.get("sha256")
+    expected = checksums.get(CONFIG) if isinstance(checksums, dict) else None
+    if expected is None and manifest["format_version"] >= 4:
+        raise ValueError(f"{where}: sha256 records no checksum for {CONFIG}; allowed: the manifest as save_pruned "
+                         "wrote it")
+    path = directory / CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no {CONFIG}; allowed: the directory as save_pruned wrote it")
+    if expected is None:
+        warn_once(f"{path} is not verified ({where} was written before rcpu-bench recorded the checksum of {CONFIG}): "
+                  f"an edited config would load unnoticed; {RE_SAVE}")
+        return
+    verify_checksum(path, expected)
+
+
+def check_saved(directory: Path, manifest: dict[str, Any]) -> None:
+    """Verify a ``save_pruned`` directory against its manifest before anything in it is read: the weights file (a
+    safetensors file inside it) and config.json by their sha256. Every command that loads such a directory calls
+    this, through ``load_pruned`` and ``check_model_argument``."""
+    check_config_checksum(directory, manifest)
+    verify_checksum(weights_file(directory, manifest.get("weights")), recorded_sha256(manifest, directory / MANIFEST))
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:
@@ -296,11 +351,16 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {directory} was not written by save_pruned "
                                 "(load an unpruned checkpoint with rcpu_bench.model.loading.load_model)")
-    manifest = json.loads(path.read_text())
+    manifest = read_json_manifest(path)
+    check_format(manifest, path)
+    return manifest
+
+
+def check_format(manifest: dict[str, Any], path: Path) -> None:
+    """ValueError unless the manifest at ``path`` is ``save_pruned``'s, of a version this rcpu-bench reads."""
     if manifest.get("format") != FORMAT or manifest.get("format_version") not in SUPPORTED_VERSIONS:
         raise ValueError(f"{path} has format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
                          f"supported: {FORMAT!r} version {', '.join(map(str, SUPPORTED_VERSIONS))}")
-    return manifest
 
 
 def _placeholder(linear: nn.Linear, *shape: int) -> Tensor:
@@ -360,13 +420,20 @@ def load_pruned(directory: str | os.PathLike, *, dtype: str = "float32", device:
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    config = read_saved_config(directory, manifest, trust_remote_code=trust_remote_code)
-    kind = manifest.get("config", "original")
-    model = build_skeleton(config, manifest["layers"], resolve_dtype(dtype), reshape=kind == "original",
-                           trust_remote_code=trust_remote_code)
+    check_saved(directory, manifest)
+    model = saved_skeleton(directory, manifest, resolve_dtype(dtype), trust_remote_code=trust_remote_code)
     return materialize(model, directory, manifest["weights"], manifest["parameter_count"], dtype=dtype, device=device,
                        sha256=recorded_sha256(manifest, directory / MANIFEST), method=manifest["method"],
                        source=manifest["provenance"])
+
+
+def saved_skeleton(directory: Path, manifest: dict[str, Any], dtype: torch.dtype, *,
+                   trust_remote_code: bool = False) -> PreTrainedModel:
+    """The weightless (meta) model of a checked ``save_pruned`` directory: its config.json built and its layers
+    checked against the manifest (``build_skeleton``)."""
+    config = read_saved_config(directory, manifest, trust_remote_code=trust_remote_code)
+    reshape = manifest.get("config", "original") == "original"  # format 1 saved the original config
+    return build_skeleton(config, manifest["layers"], dtype, reshape=reshape, trust_remote_code=trust_remote_code)
 
 
 def read_saved_config(directory: Path, manifest: dict, *, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -376,10 +443,10 @@ def read_saved_config(directory: Path, manifest: dict, *, trust_remote_code: boo
     if kind not in CONFIG_KINDS:
         raise ValueError(f"{directory / MANIFEST} has config {kind!r}; allowed: {', '.join(CONFIG_KINDS)}")
     if kind == "rcpu_llama":
-        config = format_2_per_layer_config(json.loads((directory / "config.json").read_text()))
+        config = format_2_per_layer_config(json.loads((directory / CONFIG).read_text()))
     else:
         trust = trust_remote_code and kind != "per_layer"
-        check_remote_code(str(directory), directory / "config.json", trust)
+        check_remote_code(str(directory), directory / CONFIG, trust)
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust)
     if (kind in ("per_layer", "rcpu_llama")) != isinstance(config, RcpuPrunedConfig):
         raise ValueError(f"{directory / MANIFEST} says config {kind!r} but config.json is a {type(config).__name__}")
@@ -439,8 +506,8 @@ def load_saved(directory: str | os.PathLike, *, dtype: str = "float32", device: 
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {directory} is not a saved pruned model")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") == FORMAT or "model_method" not in manifest:
+    manifest = read_json_manifest(path)
+    if not saved_by_model_method(manifest):
         return load_pruned(directory, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     if registry is None:
         raise ValueError(f"{directory} was saved by the model method {manifest['model_method']!r}: pass the registry "
@@ -451,23 +518,95 @@ def load_saved(directory: str | os.PathLike, *, dtype: str = "float32", device: 
     return method.load(directory, dtype=dtype, device=device)
 
 
+def read_json_manifest(path: Path) -> dict[str, Any]:
+    """The JSON object of a manifest file; anything else is a one-line ValueError naming it."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a valid manifest ({error}); allowed: the manifest as it was saved") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path} is not a valid manifest (a JSON {type(manifest).__name__}); allowed: the manifest "
+                         "as it was saved")
+    return manifest
+
+
+def saved_by_model_method(manifest: dict[str, Any]) -> bool:
+    """Whether a manifest is a whole-model method's (its own saver and loader), not ``save_pruned``'s."""
+    return manifest.get("format") != FORMAT and "model_method" in manifest
+
+
+def saved_marker(directory: Path) -> str | None:
+    """What shows that rcpu-bench saved ``directory`` (its config class, model card or model source files), or None."""
+    config = directory / CONFIG
+    try:
+        model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    if model_type in SAVED_CONFIG_TYPES:
+        return f"{CONFIG} has model_type {model_type!r}"
+    card = directory / CARD
+    if card.is_file() and card.read_text(errors="replace").startswith(CARD_TITLE):
+        return f"{CARD} is an rcpu-bench model card"
+    sources = [name for name in SOURCE_FILES if (directory / name).is_file()]
+    return f"it holds {', '.join(sources)}" if sources else None
+
+
 def pruned_directory(name: str) -> Path | None:
-    """``name`` as a directory written by ``save_pruned`` (it has a manifest), or None."""
+    """``name`` as a directory written by ``save_pruned`` or a model method's saver (it has a manifest), or None; a
+    directory rcpu-bench saved (``saved_marker``) whose manifest is missing is a ValueError: without it nothing in it
+    can be verified."""
     path = Path(name).expanduser()
-    return path if (path / MANIFEST).is_file() else None
+    if (path / MANIFEST).is_file():
+        return path
+    marker = saved_marker(path) if path.is_dir() else None
+    if marker is not None:
+        raise ValueError(f"model directory {path} was saved by rcpu-bench ({marker}) but its {MANIFEST} is missing, "
+                         "so its weights and config cannot be verified; allowed: the directory with the manifest it "
+                         "was saved with (or the model saved again with --save)")
+    return None
+
+
+def check_saved_model(name: str) -> tuple[Path, dict[str, Any]] | None:
+    """The saved directory ``name`` means (``pruned_directory``) and its manifest, verified (``check_saved``; a model
+    method's directory is verified by its own loader), or None for any other model."""
+    directory = pruned_directory(model_source(name))
+    if directory is None:
+        return None
+    manifest = read_json_manifest(directory / MANIFEST)
+    if not saved_by_model_method(manifest):
+        check_format(manifest, directory / MANIFEST)
+        check_saved(directory, manifest)
+    return directory, manifest
 
 
 def check_model_argument(name: str, revision: str | None, trust_remote_code: bool = False) -> None:
-    """Reject a missing path, a pruned directory without tokenizer, an unsupported model, or code shipped with the
-    model without ``trust_remote_code``, before loading."""
-    directory = pruned_directory(model_source(name))
-    if directory is None:
+    """Reject a missing path, a saved directory that fails its checks (``check_saved_model``) or has no tokenizer,
+    an unsupported model, or code shipped with the model without ``trust_remote_code``, before loading."""
+    saved = check_saved_model(name)
+    if saved is None:
         _, commit = load_config(name, revision, trust_remote_code=trust_remote_code)
         load_tokenizer(model_source(name), commit or revision, trust_remote_code=trust_remote_code)
         return
-    read_saved_config(directory, read_manifest(directory), trust_remote_code=trust_remote_code)
+    directory, manifest = saved
+    if not saved_by_model_method(manifest):
+        read_saved_config(directory, manifest, trust_remote_code=trust_remote_code)
     if not (directory / "tokenizer_config.json").is_file():
         raise ValueError(f"{directory} has no tokenizer (save_pruned was called without one)")
+
+
+def weightless_model(name: str, *, revision: str | None = None, trust_remote_code: bool = False
+                     ) -> PreTrainedModel | None:
+    """A weightless (meta) model of ``name`` with the shapes it will load with (a saved directory built from its
+    config and manifest, checked first; any other model from its config), or None for a directory a whole-model
+    method saved in its own format: what can be refused on shapes is refused without reading weights."""
+    saved = check_saved_model(name)
+    if saved is None:
+        config, _ = load_config(name, revision, trust_remote_code=trust_remote_code)
+        return model_skeleton(config, trust_remote_code)
+    directory, manifest = saved
+    if saved_by_model_method(manifest):
+        return None
+    return saved_skeleton(directory, manifest, torch.float32, trust_remote_code=trust_remote_code)
 
 
 def load_saved_or_model(name: str, *, revision: str | None, dtype: str, device: str, registry: Any,

@@ -48,6 +48,14 @@ def matched_layer_count(model: nn.Module, ratio: float) -> tuple[int, float]:
     return count, width
 
 
+def check_ratio(method: Any, model: nn.Module, ratio: float) -> None:
+    """Raise the one-line error of ``matched_layer_count`` before any work when ``method`` (a registered model
+    method's function) is a depth method whose ``ratio`` matches no layer or every one; ``model`` may be a
+    weightless (meta) skeleton."""
+    if method in (shortgpt, replaceme):
+        matched_layer_count(model, ratio)
+
+
 def _cosine_sum(a: Tensor, b: Tensor) -> Tensor:
     """Σ over tokens of cos(a_t, b_t), in float64."""
     a, b = a.reshape(-1, a.shape[-1]).double(), b.reshape(-1, b.shape[-1]).double()

@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib
 from matplotlib.figure import Figure
 
-from rcpu_bench.atomic_file import write_file_atomically
+from rcpu_bench.atomic_file import remove_stale_staging_in, write_file_atomically
 
 DPI = 300
 FORMATS = ("png", "pdf", "svg")
@@ -18,8 +18,10 @@ _METADATA = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer"
 
 
 def save_figure(figure: Figure, out_dir: Path, stem: str) -> list[Path]:
-    """``figure`` as ``out_dir/stem.{png,pdf,svg}`` (the directory made if missing); their paths, PNG first."""
+    """``figure`` as ``out_dir/stem.{png,pdf,svg}`` (the directory made if missing, the hidden partial files of killed
+    writers removed from it); their paths, PNG first."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging_in(out_dir)
     paths = []
     for fmt in FORMATS:
         path = out_dir / f"{stem}.{fmt}"

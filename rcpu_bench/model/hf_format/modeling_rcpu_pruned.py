@@ -35,7 +35,9 @@ class LayerConfig:
         self.intermediate_size = config.layer_intermediate_sizes[index]
 
     def __getattr__(self, name):
-        return getattr(self.__dict__["_model_config"], name)
+        if name == "_model_config":  # not set yet: copy.deepcopy asks a bare instance
+            raise AttributeError(name)
+        return getattr(self._model_config, name)
 
 
 def build_layer(layer_class, config, index):
