@@ -1,8 +1,8 @@
 """The built-in methods: a plugin like any other, registered in code by ``plugins.plugin_manager``."""
 
-from rcpu_bench.compensation import compensators
+from rcpu_bench.compensation import compensators, olica, slimllm
 from rcpu_bench.hookspecs import Register, hookimpl
-from rcpu_bench.pruning import allocation, depth
+from rcpu_bench.pruning import allocation, depth, search
 from rcpu_bench.selection import obs, scorers
 
 
@@ -12,6 +12,9 @@ def register_scorers(register: Register) -> None:
     register("wanda-sp", scorers.wanda_sp)
     register("variance", scorers.variance)
     register("flap-wifv", scorers.flap_wifv)
+    register("minitron", scorers.minitron, description="Minitron's activation importance s_j = (E|x_j|)² or ‖X_j‖₂² "
+             "of the consumer's input channels; a head's summed score is ‖F_head‖₂² (Minitron, Muralidharan et al. "
+             "2024; NVIDIA ModelOpt)")
 
 
 @hookimpl
@@ -25,6 +28,9 @@ def register_allocations(register: Register) -> None:
     register("uniform", allocation.uniform)
     register("log-increase", allocation.log_increase, description="SlimGPT's incremental ratio "
              "ρ_l = ρ + s·(ln(1+l)/ln L − mean), mean ρ (SlimGPT, Ling et al. 2024)")
+    register("search", search.search, description="Evolutionary search of per-layer and per-module levels under the "
+             "uniform allocation's parameter budget, candidates on disk, fitness KL(dense ‖ pruned) on held-out "
+             "tokens (Týr-the-Pruner, Li et al. NeurIPS 2025)")
 
 
 @hookimpl
@@ -34,6 +40,11 @@ def register_compensators(register: Register) -> None:
     register("ridge", compensators.ridge, needs="gram")
     register("procrustes", compensators.procrustes, needs="output_cross")
     register("scaled-procrustes", compensators.scaled_procrustes, needs="gram")
+    register("slimllm", slimllm.slimllm, needs="gram", description="SlimLLM's per-output-row affine least squares "
+             "y_i ≈ a_i ŷ_i + b_i: W̃_K = diag(a) W_K, bias b (SlimLLM, Guo et al. ICML 2025)")
+    register("olica", olica.olica, needs="gram", description="Olica's linear calibration on the kept inputs: "
+             "W̃_K = W_K + Δ_r, the rank-r ridge least squares of the pruned error W_D X_D on X_K (Olica, He & Lin "
+             "ICML 2025)")
 
 
 @hookimpl

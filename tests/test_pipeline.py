@@ -137,7 +137,7 @@ def test_every_scorer_and_compensator_prunes_a_working_model(stories, kind, scor
     model = copy.deepcopy(dense)
     report = prune_model(model, ids, PruneConfig(scorer=scorer, compensator=compensator, ratio=0.3), progress=False,
                          registry=default_registry())
-    bias = 5 * 2 * dense.config.hidden_size if compensator == "flap-bias" else 0
+    bias = 5 * 2 * dense.config.hidden_size if compensator in ("flap-bias", "slimllm") else 0  # the added biases
     assert parameter_count(dense) - parameter_count(model) + bias == expected_parameters(dense.config, report)
     assert all(layer["attention"]["units_pruned"] == int(0.3 * (4 if kind == "gqa" else 8)) for layer in report.layers)
     assert all(layer["mlp"]["units_pruned"] == int(0.3 * 172) for layer in report.layers)

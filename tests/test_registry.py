@@ -16,8 +16,8 @@ from rcpu_bench.selection import scorers
 from rcpu_bench.statistics.activations import ActivationStats
 
 F64 = torch.float64
-BUILTIN_SCORERS = ["flap-wifv", "magnitude", "variance", "wanda-sp"]
-BUILTIN_COMPENSATORS = ["flap-bias", "none", "procrustes", "ridge", "scaled-procrustes"]
+BUILTIN_SCORERS = ["flap-wifv", "magnitude", "minitron", "variance", "wanda-sp"]
+BUILTIN_COMPENSATORS = ["flap-bias", "none", "olica", "procrustes", "ridge", "scaled-procrustes", "slimllm"]
 
 
 def make_problem(d_out=4, d_in=6, n_tokens=30, seed=0):
@@ -117,7 +117,7 @@ def test_builtins_are_registered_with_provider_and_needs():
         assert method.description
     needs = {m.name: m.needs for m in registry.methods("compensator") if m.name in BUILTIN_COMPENSATORS}
     assert needs == {"flap-bias": "moments", "none": "moments", "procrustes": "output_cross", "ridge": "gram",
-                     "scaled-procrustes": "gram"}
+                     "scaled-procrustes": "gram", "slimllm": "gram", "olica": "gram"}
 
 
 def test_builtin_params_are_keyword_only_defaults():

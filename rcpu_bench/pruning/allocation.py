@@ -4,16 +4,20 @@
 - ``log-increase``: SlimGPT's incremental ratio, growing with the logarithm of the depth (:func:`log_increase`);
 - ``al-am``: FLAP's adaptive structure, one global threshold on standardized unit scores (:func:`al_am`); the
   option ``structure: al-am`` is the same allocation (``allocation: al-am`` is stored as it, so cell ids stay);
-- a third-party profile registered with the ``register_allocations`` hook (``hookspecs.Allocation``).
+- ``search``: Týr-the-Pruner's evolutionary search over per-layer levels on the model itself
+  (``rcpu_bench.pruning.search``), a ``hookspecs.ModelAllocation``;
+- a third-party profile or model allocation registered with the ``register_allocations`` hook
+  (``hookspecs.Allocation``).
 
 ``uniform`` and ``log-increase`` are registered profiles (per-layer ratios whose mean is ρ, so layers of equal size
-lose ρ of their parameters in total); AL-AM depends on the data, so the pipeline computes it from a dense pass.
+lose ρ of their parameters in total); AL-AM depends on the data, so the pipeline computes it from a dense pass; a
+model allocation returns units per layer and module (checked by :func:`counts_problem`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -22,8 +26,8 @@ from rcpu_bench.model.adapter import layer_view
 from rcpu_bench.selection.scorers import unit_scores
 from rcpu_bench.selection.select import Rounding, Selection, UnitMap, n_pruned
 
-__all__ = ["AL_AM", "AL_AM_SCORER", "UNIFORM", "Unit", "al_am", "layer_units", "log_increase", "uniform",
-           "units_to_prune"]
+__all__ = ["AL_AM", "AL_AM_SCORER", "UNIFORM", "Unit", "al_am", "counts_problem", "layer_units", "log_increase",
+           "uniform", "units_to_prune"]
 # AL-AM needs a score per unit; a selector (OBS) has none, so its per-layer counts come from FLAP's own score.
 AL_AM, UNIFORM = "al-am", "uniform"  # the allocations the pipeline computes itself
 AL_AM_SCORER = "flap-wifv"
@@ -59,6 +63,19 @@ def log_increase(n_layers: int, ratio: float, /, *, spread: float = 1.0) -> Tens
         raise ValueError(f"log-increase at ratio={ratio}, spread={spread} gives the last layer ratio "
                          f"{float(ratios.max()):.3f} >= 1; allowed: a smaller spread or ratio")
     return ratios
+
+
+def counts_problem(counts: Any, n_units: list[dict[str, int]]) -> str | None:
+    """What is wrong with a model allocation's ``counts`` (per layer, {module: units to prune}) for layers of
+    ``n_units`` units per module, or None: one dict per layer, the same modules, integers in [0, n)."""
+    if not isinstance(counts, list) or len(counts) != len(n_units):
+        return f"{type(counts).__name__} counts; expected a list of {len(n_units)} dicts, one per layer"
+    for index, (chosen, units) in enumerate(zip(counts, n_units, strict=True)):
+        if not isinstance(chosen, dict) or set(chosen) != set(units) or not all(
+                isinstance(chosen[m], int) and not isinstance(chosen[m], bool) and 0 <= chosen[m] < n
+                for m, n in units.items()):
+            return f"layer {index} counts {chosen!r}; expected {{module: an integer in [0, units)}} for {units}"
+    return None
 
 
 class Unit(NamedTuple):

@@ -8,14 +8,15 @@ For each decoder layer in turn:
   4. physically shrink the layer and re-run it to produce the next layer's inputs.
 ``statistics="one-shot"`` instead feeds every layer the dense model's activations (FLAP's protocol).
 How many units each layer loses is the allocation (``pruning/allocation.py``): uniform, a registered per-layer
-profile (log-increase), or FLAP's global adaptive structure (``structure="al-am"``), chosen up front.
+profile (log-increase), FLAP's global adaptive structure (``structure="al-am"``), or a registered allocation that
+searches the model itself (``AllocationTask``; e.g. ``search``), chosen up front.
 """
 
 from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -24,15 +25,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rcpu_bench import console
+from rcpu_bench import console, strict_json
 from rcpu_bench.compensation.diagnostics import module_generalisation
 from rcpu_bench.finite import check_parameters, check_tensor
 from rcpu_bench.model.adapter import check_prunable, decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
 from rcpu_bench.model.views import LayerView
-from rcpu_bench.pruning.allocation import AL_AM, AL_AM_SCORER, Unit, al_am, layer_units, units_to_prune
+from rcpu_bench.pruning.allocation import (
+    AL_AM,
+    AL_AM_SCORER,
+    Unit,
+    al_am,
+    counts_problem,
+    layer_units,
+    units_to_prune,
+)
 from rcpu_bench.pruning.options import MODULES, PruneConfig
-from rcpu_bench.registry import Registry, Resolved
+from rcpu_bench.registry import PluginContractError, Registry, Resolved
 from rcpu_bench.selection.scorers import unit_scores
 from rcpu_bench.selection.select import (
     Selection,
@@ -225,7 +234,7 @@ class PruneReport:
     layers: list[dict[str, Any]]
     seconds: dict[str, float]
     peak_memory_bytes: int
-    method_report: dict[str, Any] | None = None  # what a whole-model method reported
+    method_report: dict[str, Any] | None = None  # what a whole-model method or a model allocation reported
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -240,7 +249,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
                 device: torch.device | str | None = None, progress: bool = True,
                 holdout_ids: Tensor | None = None,
                 reuse_capture: Callable[[Callable[[], list[LayerInput]]], list[LayerInput]] | None = None,
-                validated: bool = False) -> PruneReport:
+                validated: bool = False, holdout_source: Callable[[int], Tensor] | None = None) -> PruneReport:
     """Prune and compensate every decoder layer of ``model`` in place from calibration token windows.
 
     With ``config.holdout`` > 0, ``holdout_ids`` holds that many held-out windows (``data.holdout_windows``)
@@ -248,7 +257,8 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     ``reuse_capture(capture)``, when given, returns layer 0's inputs: ``capture()``, or an equal result
     remembered from an earlier call with the same model and calibration (rcpu_bench.matrix.reuse).
     ``validated=True``: the caller has already run ``config.validate(registry)`` (``run_experiment`` does, through
-    ``Experiment.validate``), so it is not run again.
+    ``Experiment.validate``), so it is not run again. ``holdout_source(n)`` gives n held-out windows
+    (``data.holdout_windows`` bound to the run's calibration and tokenizer), for an allocation that scores on them.
     """
     if not validated:
         config.validate(registry)
@@ -262,8 +272,9 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     check_prunable(model, [m for m in MODULES if m in config.prune])
     layers = decoder_layers(model)
     totals = Timer(device)
-    with totals("allocation"):  # AL-AM's dense pass over every layer, or a plugin's profile; ~0 for uniform
-        plans = allocate(model, calib_ids, config, methods, registry, device)
+    with totals("allocation"):  # AL-AM's dense pass, a model allocation's search, or a profile; ~0 for uniform
+        task = AllocationTask(model, calib_ids, config, methods, device, progress, holdout_source)
+        plans, allocation_report = allocate(task, registry)
     with totals("capture"):
         capture = partial(_capture, model, calib_ids, config, device)
         inputs = reuse_capture(capture) if reuse_capture else capture()
@@ -286,7 +297,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         reports.append({"layer": index, **report, "seconds": timer.seconds})
         for key, value in timer.seconds.items():
             totals.seconds[key] = totals.seconds.get(key, 0.0) + value
-    return PruneReport(reports, totals.seconds, _peak_memory(device))
+    return PruneReport(reports, totals.seconds, _peak_memory(device), allocation_report)
 
 
 def _run_model_method(model: nn.Module, calib_ids: Tensor, config: PruneConfig, methods: Resolved,
@@ -357,27 +368,94 @@ def _check_statistics(stats: ActivationStats, index: int, module: str) -> None:
 
 # Allocation: units pruned per layer and module ----------------------------------------------------------
 
-def allocate(model: nn.Module, calib_ids: Tensor, config: PruneConfig, methods: Resolved, registry: Registry,
-             device: torch.device) -> list[dict[str, Selection | int]]:
+@dataclass
+class AllocationTask:
+    """What an allocation is handed (a ``hookspecs.ModelAllocation`` sees all of it): the dense model, the run's
+    calibration windows, options and methods, and where held-out windows come from."""
+
+    model: nn.Module
+    calib_ids: Tensor
+    config: PruneConfig
+    methods: Resolved
+    device: torch.device
+    progress: bool = True
+    holdout_source: Callable[[int], Tensor] | None = None
+
+    @property
+    def modules(self) -> list[str]:
+        """The pruned modules, in pruning order."""
+        return [m for m in MODULES if m in self.config.prune]
+
+    def holdout(self, n_windows: int) -> Tensor:
+        """``n_windows`` held-out windows (n × seqlen token ids), disjoint from the calibration windows and from the
+        ``config.holdout`` windows of the diagnostics (those come first in ``data.holdout_windows``' order)."""
+        if self.holdout_source is None:
+            raise ValueError(f"allocation {self.config.allocation!r} scores on held-out windows, and this run has no "
+                             "source of them; allowed: prune_model(..., holdout_source=...) (data.holdout_windows)")
+        return self.holdout_source(self.config.holdout + n_windows)[self.config.holdout:]
+
+    def dense_layers(self) -> Iterator[tuple[int, LayerView, dict[str, ActivationStats]]]:
+        """Each decoder layer (on the device while it is yielded) with the statistics its modules' scorer and
+        compensator read, planned as the run plans them, from one pass of the dense model over the calibration
+        windows: one-shot, every layer sees the dense outputs of the layer before."""
+        inputs = _capture(self.model, self.calib_ids, self.config, self.device)
+        needs = _needs(self.modules, self.config, self.methods)
+        for index, layer in enumerate(decoder_layers(self.model)):
+            view = layer_view(layer)
+            with _on_device(layer, self.device, self.config.offload):
+                plan = _statistics_plan(view, needs, inputs, self.config)
+                stats, outputs = _collect(view, inputs, plan, self.config.gram_precision)
+                for module in self.modules:
+                    _check_statistics(stats[module], index, module)
+                yield index, view, stats
+            inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
+
+    def prune(self, view: LayerView, module: str, stats: ActivationStats, n_prune: int) -> dict[str, Any]:
+        """Prune ``n_prune`` units of one module of ``view`` in place with the run's scorer or selector and
+        compensator (``prune_module``); returns its diagnostics."""
+        return prune_module(view, module, stats, self.config, self.methods, Timer(self.device), n_prune=n_prune)
+
+
+def allocate(task: AllocationTask, registry: Registry
+             ) -> tuple[list[dict[str, Selection | int]], dict[str, Any] | None]:
     """Each layer's plan per module: a selection (AL-AM with a scorer: FLAP's global choice of units) or the number
-    of units its scorer or selector prunes (uniform, a registered profile, or AL-AM's counts with a selector)."""
+    of units its scorer or selector prunes (uniform, a registered profile, AL-AM's counts with a selector, or a
+    model allocation's counts); and the model allocation's report for the record (``{"allocation": ...}``), else
+    None."""
+    model, calib_ids, config, methods, device = task.model, task.calib_ids, task.config, task.methods, task.device
     layers = decoder_layers(model)
-    modules = [m for m in MODULES if m in config.prune]
+    modules = task.modules
     if config.structure == AL_AM:
         scorer = methods.selection if methods.selection.kind == "scorer" else registry.scorer(AL_AM_SCORER)
         params = config.scorer_params if scorer is methods.selection else {}
         selections = global_selections(model, calib_ids, config, scorer, params, device)
         if scorer is methods.selection:
-            return selections  # type: ignore[return-value]
-        return [{m: len(chosen[m].pruned) for m in modules} for chosen in selections]
-    assert methods.allocation is not None  # prune_model resolved config.allocation
-    ratios = methods.allocation(len(layers), config.ratio, **config.allocation_params).tolist()
+            return selections, None  # type: ignore[return-value]
+        return [{m: len(chosen[m].pruned) for m in modules} for chosen in selections], None
+    allocation = methods.allocation
+    assert allocation is not None  # prune_model resolved config.allocation
+    profile = allocation(len(layers), config.ratio, **config.allocation_params)
+    if callable(profile):
+        return _model_allocation(task, profile, allocation.name, allocation.provider)
+    ratios = profile.tolist()
     plans: list[dict[str, Selection | int]] = []
     for layer, ratio in zip(layers, ratios, strict=True):
         view = layer_view(layer)
         plans.append({m: units_to_prune(view.units(m, config.gqa_rule), _n_units(view, m, config.gqa_rule), ratio,
                                         config.rounding) for m in modules})
-    return plans
+    return plans, None
+
+
+def _model_allocation(task: AllocationTask, allocation: Callable[[AllocationTask], Any], name: str, provider: str
+                      ) -> tuple[list[dict[str, Selection | int]], dict[str, Any]]:
+    """A ``hookspecs.ModelAllocation``'s counts and report, checked against its contract."""
+    counts, report = allocation(task)
+    n_units = [{m: _n_units(layer_view(layer), m, task.config.gqa_rule) for m in task.modules}
+                for layer in decoder_layers(task.model)]
+    problem = counts_problem(counts, n_units) or strict_json.problem(report, "its report")
+    if problem:
+        raise PluginContractError(f"allocation {name!r} from {provider} returned {problem}")
+    return counts, {"allocation": report}
 
 
 def _n_units(view: Any, module: str, gqa_rule: str) -> int:
