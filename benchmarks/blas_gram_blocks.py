@@ -1,4 +1,4 @@
-"""One chunk of G's upper block triangle through torch's BLAS and through NumPy's, side by side (issue 19).
+"""One chunk of G's upper block triangle through torch's BLAS and through NumPy's, side by side.
 
 The statistics' cost is float32 block products, ``X[:, i:i+b]ᵀ X[:, i:]`` per block row of
 ``activations.GRAM_BLOCK`` (``activations.add_gram_upper``, without the float64 adds). torch's x86 CPU

@@ -24,7 +24,7 @@ what the layer and its inputs hold; on the CPU the peak RSS (VmHWM) of a fresh s
 minus that of a baseline subprocess that only builds the layer and its inputs. The compensated weights
 of the two paths are compared (same selection, max relative difference); a disagreement above 1e-3
 exits with status 1. A token count whose official replay would not fit in memory is refused up front.
-At the end the issue-19 table is printed per (N, compensator): statistics + score + solve per module,
+At the end the side-by-side table is printed per (N, compensator): statistics + score + solve per module,
 their total without the layer forward, and the peak memory, official against ours, with the ratio.
 
 Usage: python benchmarks/compare_stats_vs_activations.py [--shape 7b] [--tokens 16384 65536] [--device cpu]
@@ -306,7 +306,7 @@ def split_seconds(seconds: dict[str, float]) -> dict[str, float]:
              for name in MODULES.values() for part in ("statistics", "score", "solve")}
     hooks = sum(seconds.get(f"{name} {kind}", 0.0) for name in MODULES.values()
                 for kind in ("statistics", "float64 check"))
-    parts["compared"] = sum(parts.values())  # statistics + score + solve of both modules: issue 19's total
+    parts["compared"] = sum(parts.values())  # statistics + score + solve of both modules: the compared total
     parts["forward"] = seconds["pass"] - hooks + seconds.get("forward rerun", 0.0)
     parts["total"] = parts["compared"] + parts["forward"]
     return parts
@@ -407,7 +407,7 @@ def compare(tokens: int, compensator: str, args: argparse.Namespace, base: RunSp
 
 
 def issue_table(rows: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
-    """Issue 19's table per (N, compensator): each module's statistics + score + solve, their total without
+    """The side-by-side table per (N, compensator): each module's statistics + score + solve, their total without
     the layer forward, and the peak memory, official replay against ``label`` (e.g. ours[mixed]), with ratios."""
     table = []
     sides = ("official", label)
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                     if "agreement" not in r["part"]], headers="keys", floatfmt=".3g"))
     print(tabulate([r for r in rows if "agreement" in r["part"]], headers="keys", floatfmt=".3g"))
     for precision in args.gram_precision:
-        print(f"\nIssue 19 table, seconds: official replay against ours[{precision}] (ratio ours/official)")
+        print(f"\nSide by side, seconds: official replay against ours[{precision}] (ratio ours/official)")
         print(tabulate(issue_table(rows, f"ours[{precision}]"), headers="keys", floatfmt=".2f"))
     if args.out:
         settings = {"shape": args.shape, "scale": args.scale, "device": args.device, "threads": args.threads,

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 19's GPU checks (README, "Measured on a GPU"), from the repository root, with the package's dependencies
+# The GPU checks (docs/benchmarks.md, "On a GPU"), from the repository root, with the package's dependencies
 # importable: OUT=DIR bash benchmarks/gpu_checks.sh STEP...
 # Steps: env (versions), cmp (the 7B layer side by side at 16k and 65k tokens), p7 (a random-init 7B written and
 # pruned), p13 (the same at 13B with --offload), smoke (the smoke matrix). Each step has its own time limit; a failed

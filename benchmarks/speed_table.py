@@ -1,4 +1,4 @@
-"""The measured speed table of issue 21: dense vs pruned models in transformers and in llama.cpp, on the CPU.
+"""The measured speed table: dense vs pruned models in transformers and in llama.cpp, on the CPU.
 
 For stories260K-mha (the shared fixture) and a random-init Llama-3.2-1B-shaped model
 (``make_random_llama.py --shape llama3.2-1b --dtype float32``), four variants each: dense, uniform 20 %,

@@ -16,7 +16,7 @@ rcpu-bench plots --results "$out" --out-dir "$out/plots"
 # Zero-shot accuracy (all seven tasks, 300 examples each) of stories260K dense and pruned by 20 %.
 rcpu-bench run --matrix results/zeroshot/matrix.yaml --results results/zeroshot --quiet
 rcpu-bench tables --results results/zeroshot --table zeroshot --out results/zeroshot/tables.md
-# The factorial experiment (issue 20): selection × compensation × allocation (+ depth baselines), main effects.
+# The factorial experiment: selection × compensation × allocation (+ depth baselines), main effects.
 rcpu-bench run --matrix factorial --results results/factorial --quiet
 rcpu-bench tables --results results/factorial --table main-effects --out results/factorial/main-effects.md
 rcpu-bench tables --results results/factorial --table ppl-other --out results/factorial/tables.md

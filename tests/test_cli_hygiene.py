@@ -1,4 +1,4 @@
-"""CLI hygiene (issue 10): no abbreviated options, --version, one name per batch option, --quiet quiet,
+"""CLI hygiene: no abbreviated options, --version, one name per batch option, --quiet quiet,
 plain timestamped lines when the output is not a terminal, Ctrl-C ends with one line and exit 130."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 19: every statistics path (G, C = Σ y xᵀ, both; S = Σ y yᵀ with C_D = Σ y x_Dᵀ for a selection fixed
+"""Every statistics path (G, C = Σ y xᵀ, both; S = Σ y yᵀ with C_D = Σ y x_Dᵀ for a selection fixed
 before the pass) gives the float64 reference's compensated weights, and the collected set is the flop model's
 minimum.
 
@@ -224,7 +224,7 @@ def test_the_flop_model_orders_the_public_needs():
 
 
 def test_llama_7b_shapes_choose_g_for_o_proj_and_c_for_down_proj():
-    """The issue's example at 16,384 tokens: procrustes reads G for o_proj, C for down_proj; ridge G for both,
+    """One Llama-7B layer at 16,384 tokens: procrustes reads G for o_proj, C for down_proj; ridge G for both,
     with few tokens too (it reads G's blocks only, never Y X_Kᵀ)."""
     assert cheapest_statistics("output_cross", 16384, 4096, 4096, expected_kept(4096, 0.2)) == {"gram"}
     assert cheapest_statistics("output_cross", 16384, 4096, 11008, expected_kept(11008, 0.2)) == {"cross"}

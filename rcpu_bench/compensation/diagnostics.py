@@ -1,4 +1,4 @@
-"""Does a compensator generalise? Calibration vs held-out reconstruction error and degrees of freedom (issue 12).
+"""Does a compensator generalise? Calibration vs held-out reconstruction error and degrees of freedom.
 
 Notation of the paper (§2): W (d_out × d_in), inputs X (d_in × N), dense output Y = W X, kept columns K.
 A compensator returns W̃ (d_out × |K|) and possibly a bias b. With G = X Xᵀ and s = Σx summed over the N

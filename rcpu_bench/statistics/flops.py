@@ -1,4 +1,4 @@
-"""Which statistics a module collects: the cheapest sufficient set by a flop count (issue 19).
+"""Which statistics a module collects: the cheapest sufficient set by a flop count.
 
 A method declares the most it reads (``needs``, paper notation: W d_out × d_in, K the k kept columns, D the
 dropped ones):

@@ -1,4 +1,4 @@
-"""Tables and figures of the generalisation diagnostics (issue 12): calibration vs held-out reconstruction error
+"""Tables and figures of the generalisation diagnostics: calibration vs held-out reconstruction error
 and the update's degrees of freedom, from the ``Record.generalisation`` of runs made with ``holdout`` > 0.
 
 Errors are relative, ‖Y − W̃X‖²/‖Y‖² per module (``rcpu_bench.compensation.diagnostics``); "mean" is over

@@ -1,4 +1,4 @@
-"""Main effects and two-way interactions of a factorial matrix (issue 20): selection × compensation × allocation.
+"""Main effects and two-way interactions of a factorial matrix: selection × compensation × allocation.
 
 Each pruned run that prunes and compensates both modules is a point y = perplexity of one profile, at the levels
 of the factors selection (the ``scorer`` option: a scorer or a selector), compensation (ridge at λ_best, chosen by
@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, resolve
 from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.allocation import AL_AM
-from rcpu_bench.tables.layout import compensates_all
+from rcpu_bench.tables.layout import compensates_pruned
 from rcpu_bench.tables.results import Metric, ppl_of
 from rcpu_bench.tables.table import Column, Row, Table
 
@@ -51,7 +51,7 @@ def factorial_points(results: Sequence[StoredResult], profile: str,
                      lambda_rule: str = DEFAULT_LAMBDA_RULE) -> dict[tuple[str, float], dict[Levels, float]]:
     """(model, ratio) → the factor levels of each run → its perplexity; a ridge grid gives its λ_best run."""
     def key(result: StoredResult) -> tuple | None:
-        if result.ratio == 0 or not compensates_all(result) or result.prune.get("model_method") is not None:
+        if result.ratio == 0 or not compensates_pruned(result) or result.prune.get("model_method") is not None:
             return None
         return result.model_label, result.ratio, tuple(get(result) for get in FACTORS.values())
 
