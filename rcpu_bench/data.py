@@ -48,7 +48,11 @@ WIKITEXT_DATASET = ("wikitext", "wikitext-2-raw-v1")
 WIKITEXT_VALID_FILE = Path("wikitext-2-v1") / "wiki.valid.tokens"
 # How the reference code joins the dataset rows of each split.
 WIKITEXT_JOIN = {"train": " ", "test": "\n\n"}
-SPEC_FORM = "SOURCE[:NxSEQLEN][:seed=S], e.g. wikitext2:128x128"
+SPEC_FORM = "SOURCE[:NxSEQLEN][:seed=S][:bos], e.g. wikitext2:128x128"
+# Bounds on what a calibration spec may ask for: the paper's largest is 512 x 128 tokens, 32x less than the token
+# bound; a corpus file is read into memory whole, so it is bounded too.
+MAX_CALIB_TOKENS = 1 << 21
+MAX_CORPUS_BYTES = 1 << 30
 _PROBE = "Hello world"
 
 
@@ -65,22 +69,30 @@ class SourceText:
 
 @dataclass(frozen=True)
 class CalibSpec:
-    """What to calibrate on: ``n_samples`` windows of ``seqlen`` tokens from ``source``, drawn with ``seed``."""
+    """What to calibrate on: ``n_samples`` windows of ``seqlen`` tokens from ``source``, drawn with ``seed``;
+    ``bos``: each window is the tokenizer's BOS and ``seqlen`` − 1 stream tokens (when the tokenizer adds a BOS
+    to every text: models trained always to see it first, as Gemma, see it in calibration too)."""
 
     source: str = "wikitext2"
     n_samples: int = DEFAULT_N_SAMPLES
     seqlen: int = DEFAULT_SEQLEN
     seed: int = DEFAULT_SEED
+    bos: bool = False
 
     def __post_init__(self) -> None:
         _match_source(self.source)
         if self.n_samples < 1:
             raise ValueError(f"calibration n_samples must be at least 1, got {self.n_samples}")
-        if self.seqlen < 1:
-            raise ValueError(f"calibration seqlen must be at least 1, got {self.seqlen}")
+        if self.seqlen < 2:
+            raise ValueError(f"calibration seqlen {self.seqlen}: a window needs a token after the first to predict "
+                             "(its calibration perplexity has no target otherwise); allowed: a seqlen of at least 2")
+        if self.n_samples * self.seqlen > MAX_CALIB_TOKENS:
+            raise ValueError(f"calibration {self.n_samples} x {self.seqlen} = {self.n_samples * self.seqlen:,} "
+                             f"tokens; allowed: at most {MAX_CALIB_TOKENS:,} tokens in all (e.g. "
+                             f"{MAX_CALIB_TOKENS // self.seqlen:,} windows of {self.seqlen})")
 
     def __str__(self) -> str:
-        return f"{self.source}:{self.n_samples}x{self.seqlen}:seed={self.seed}"
+        return f"{self.source}:{self.n_samples}x{self.seqlen}:seed={self.seed}" + (":bos" if self.bos else "")
 
 
 @dataclass(frozen=True)
@@ -95,9 +107,14 @@ class Provenance:
     n_samples: int
     seqlen: int
     seed: int
+    bos: bool = False  # each window begins with the tokenizer's BOS (CalibSpec.bos and a tokenizer that adds one)
 
-    def as_dict(self) -> dict[str, str | int]:
-        return asdict(self)
+    def as_dict(self) -> dict[str, str | int | bool]:
+        """The fields, ``bos`` only when set (records of windows without a BOS keep their earlier form)."""
+        fields = asdict(self)
+        if not self.bos:
+            del fields["bos"]
+        return fields
 
 
 @dataclass(frozen=True)
@@ -194,8 +211,16 @@ def tinystories_text(data_dir: Path | str | None = None, stories: tuple[int, int
 
 
 def file_text(path: Path | str) -> SourceText:
-    """A user corpus: a ``.txt`` file is one document; a ``.jsonl`` file has one per line, in its "text" field."""
+    """A user corpus: a ``.txt`` file is one document; a ``.jsonl`` file has one per line, in its "text" field.
+
+    It must be a regular file (a link to a device such as /dev/zero would be read without end) of at most
+    ``MAX_CORPUS_BYTES``."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"calibration file {path} is not a regular file; allowed: a .txt or .jsonl file")
+    if path.is_file() and path.stat().st_size > MAX_CORPUS_BYTES:
+        raise ValueError(f"calibration file {path} has {path.stat().st_size:,} bytes; allowed: at most "
+                         f"{MAX_CORPUS_BYTES:,} bytes")
     if path.suffix == ".txt":
         documents = (path.read_text(encoding="utf-8"),)
     elif path.suffix == ".jsonl":
@@ -255,11 +280,11 @@ def load_source(source: str, data_dir: Path | str | None = None) -> SourceText:
     return entry.load(match, data_dir)
 
 
-_SPEC = re.compile(r"(?P<source>.+?)(?::(?P<n>\d+)x(?P<seqlen>\d+))?(?::seed=(?P<seed>\d+))?")
+_SPEC = re.compile(r"(?P<source>.+?)(?::(?P<n>\d+)x(?P<seqlen>\d+))?(?::seed=(?P<seed>\d+))?(?P<bos>:bos)?")
 
 
 def parse_calib(text: str) -> CalibSpec:
-    """``SOURCE[:NxSEQLEN][:seed=S]`` → CalibSpec; omitted parts take the defaults (128 × 128, seed 0)."""
+    """``SOURCE[:NxSEQLEN][:seed=S][:bos]`` → CalibSpec; omitted parts take the defaults (128 × 128, seed 0)."""
     match = _SPEC.fullmatch(text.strip())
     if match is None:
         raise ValueError(f"empty calibration spec {text!r}; expected {SPEC_FORM}")
@@ -269,7 +294,7 @@ def parse_calib(text: str) -> CalibSpec:
 
     try:
         return CalibSpec(match["source"], number("n", DEFAULT_N_SAMPLES), number("seqlen", DEFAULT_SEQLEN),
-                         number("seed", DEFAULT_SEED))
+                         number("seed", DEFAULT_SEED), bos=match["bos"] is not None)
     except ValueError as err:
         raise ValueError(f"bad calibration spec {text!r}: {err}; expected {SPEC_FORM}") from None
 
@@ -314,6 +339,13 @@ def token_stream(source: SourceText, tokenizer) -> Tensor:
     return torch.cat(tokenize_documents(source, tokenizer))
 
 
+def added_bos(tokenizer) -> int | None:
+    """The BOS id the tokenizer puts before every text it encodes (Llama, Gemma), or None (GPT-2, SmolLM)."""
+    ids = tokenizer(_PROBE)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return bos if bos is not None and ids[:1] == [bos] else None
+
+
 def sample_windows(ids: Tensor, n_samples: int, seqlen: int, seed: int) -> Tensor:
     """``n_samples`` windows ``ids[i:i+seqlen]``, ``i = randint(0, len(ids) - seqlen - 1)`` after seeding with ``seed``.
 
@@ -325,6 +357,11 @@ def sample_windows(ids: Tensor, n_samples: int, seqlen: int, seed: int) -> Tenso
     rng = random.Random(seed)
     starts = [rng.randint(0, len(ids) - seqlen - 1) for _ in range(n_samples)]
     return torch.stack([ids[i : i + seqlen] for i in starts])
+
+
+def with_bos(windows: Tensor, bos: int) -> Tensor:
+    """``windows`` (n, T) with the token ``bos`` put before each: (n, T + 1)."""
+    return torch.cat([torch.full((len(windows), 1), bos, dtype=windows.dtype), windows], dim=1)
 
 
 def calibration_data(spec: CalibSpec | str, tokenizer, *, data_dir: Path | str | None = None,
@@ -340,11 +377,13 @@ def calibration_data(spec: CalibSpec | str, tokenizer, *, data_dir: Path | str |
     source = load_source(spec.source, data_dir)
     key = _stream_key(source, tokenizer)
     stream = torch.cat(_tokenize(key, source, tokenizer))
-    window_key = (key, spec.n_samples, spec.seqlen, spec.seed)
+    bos = added_bos(tokenizer) if spec.bos else None
+    window_key = (key, spec.n_samples, spec.seqlen, spec.seed, bos)
     if window_key not in _WINDOWS:
-        _WINDOWS[window_key] = sample_windows(stream, spec.n_samples, spec.seqlen, spec.seed)
+        _WINDOWS[window_key] = (sample_windows(stream, spec.n_samples, spec.seqlen, spec.seed) if bos is None
+                                else with_bos(sample_windows(stream, spec.n_samples, spec.seqlen - 1, spec.seed), bos))
     provenance = Provenance(spec.source, source.split, source.origin, source.sha256, len(stream),
-                            spec.n_samples, spec.seqlen, spec.seed)
+                            spec.n_samples, spec.seqlen, spec.seed, bos=bos is not None)
     return CalibData(_WINDOWS[window_key].clone(), provenance)
 
 
@@ -354,27 +393,31 @@ def holdout_windows(spec: CalibSpec | str, tokenizer, n_windows: int, *, data_di
     The offsets continue the calibration's random stream (``random.Random(seed)`` after its ``n_samples``
     draws), rejecting every window that overlaps a calibration window; held-out windows may overlap each
     other, as calibration windows do. More than :func:`holdout_capacity` of them is refused up front (they would
-    only repeat tokens), and so is a stream too short to find them.
+    only repeat tokens), and so is a stream too short to find them. With ``spec.bos`` (and a tokenizer that adds a
+    BOS) each window is BOS and ``seqlen`` − 1 stream tokens, as the calibration windows are.
     """
     if n_windows < 1:
         raise ValueError(f"held-out windows: n_windows={n_windows} must be at least 1")
     spec = parse_calib(spec) if isinstance(spec, str) else spec
     stream = token_stream(load_source(spec.source, data_dir), tokenizer)
-    last = len(stream) - spec.seqlen - 1
+    bos = added_bos(tokenizer) if spec.bos else None
+    length = spec.seqlen - (bos is not None)  # stream tokens per window
+    last = len(stream) - length - 1
     rng = random.Random(spec.seed)
     calib = [rng.randint(0, last) for _ in range(spec.n_samples)]
-    capacity = holdout_capacity(calib, last + spec.seqlen, spec.seqlen)
+    capacity = holdout_capacity(calib, last + length, length)
     if n_windows > capacity:
         raise ValueError(f"holdout={n_windows} asks for more held-out windows than {spec} can give: {capacity} "
-                         f"disjoint windows of {spec.seqlen} tokens fit outside its calibration windows; allowed: "
+                         f"disjoint windows of {length} tokens fit outside its calibration windows; allowed: "
                          f"holdout <= {capacity}, or fewer calibration windows or a longer source")
     starts: list[int] = []
     for _ in range(1000 * n_windows):
         start = rng.randint(0, last)
-        if all(abs(start - c) >= spec.seqlen for c in calib):
+        if all(abs(start - c) >= length for c in calib):
             starts.append(start)
         if len(starts) == n_windows:
-            return torch.stack([stream[i : i + spec.seqlen] for i in starts])
+            windows = torch.stack([stream[i : i + length] for i in starts])
+            return windows if bos is None else with_bos(windows, bos)
     raise ValueError(f"found only {len(starts)} of {n_windows} held-out windows disjoint from the {spec} calibration "
                      "windows; use fewer held-out or calibration windows or a longer source")
 

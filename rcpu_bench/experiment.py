@@ -31,7 +31,7 @@ from rcpu_bench.model.loading import (
     model_source,
     parameter_count,
 )
-from rcpu_bench.model.persistence import save_pruned
+from rcpu_bench.model.persistence import check_saved_model, save_pruned
 from rcpu_bench.paths import check_new_dir, default_model
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.options import selection_units
@@ -61,21 +61,28 @@ class Experiment:
     save_dir: str | None = None
 
     def validate(self, registry: Registry, *, here: bool = True) -> None:
-        """Every check before the model is loaded: names and ranges, the device, the model's files and unit counts
-        against the ratio, the calibration and held-out windows its tokenizer cuts from the source, the profiles'
-        data and the --save destination. Each failure is a one-line ValueError or OSError naming the bad value.
-        ``here=False`` (the experiment runs elsewhere, on a Ray worker) checks the device's name, not that it exists.
+        """Every check before the model is loaded: names and ranges, the device, the model's files (a saved
+        directory against its manifest's checksums) and the budgets its shape decides (units per layer under the
+        allocation, round_to, a depth method's layers), the calibration and held-out windows its tokenizer cuts from
+        the source, the profiles' data and the --save destination. Each failure is a one-line ValueError or OSError
+        naming the bad value. ``here=False`` (the experiment runs elsewhere, on a Ray worker) checks the device's
+        name, not that it exists.
         """
         self.prune.validate(registry)
         for name in ("dtype", "device", "eval_batch_size"):
             experiment_options.BY_NAME[name].check(getattr(self, name))
         if here:
             check_device(self.device)
+        check_saved_model(self.model)
         config, commit = load_config(self.model, self.revision,
                                      prune=() if self.prune.model_method else self.prune.prune,
                                      trust_remote_code=self.trust_remote_code)
-        geometries = layer_geometries(model_skeleton(config, self.trust_remote_code))
-        self.prune.check_units(geometries)
+        skeleton = model_skeleton(config, self.trust_remote_code)
+        method = registry.get("model-method", self.prune.model_method) if self.prune.model_method else None
+        if method is not None and method.check is not None:
+            method.check(skeleton)
+        geometries = layer_geometries(skeleton)
+        self.prune.check_budget(skeleton, registry)
         for module in self.prune.unpruned_modules(geometries):
             n, what = selection_units(geometries[0], module, self.prune.gqa_rule)
             log.warning(f"ratio={self.prune.ratio} prunes none of the {n} {what} of {module} in any layer "
@@ -132,7 +139,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     params_before = parameter_count(model)
     report = prune_model(model, calib.tokens, experiment.prune, registry=registry, device=experiment.device,
                          progress=progress, holdout_ids=holdout_ids, reuse_capture=reuse_capture,
-                         validated=True)
+                         validated=True, holdout_source=lambda n: data.holdout_windows(
+                             experiment.calib, tokenizer, n, data_dir=experiment.data_dir))
     params_after = parameter_count(model)
     model.to(experiment.device)
     calib_nll, calib_targets = perplexity.sequence_nll(model, list(calib.tokens), batch_size=experiment.eval_batch_size,

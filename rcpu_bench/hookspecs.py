@@ -6,6 +6,10 @@ a ``register`` callable bound to its plugin (``Register`` below). What a plugin 
 ``Scorer``, a ``Selector``, a ``Compensator``, a ``ModelMethod`` or an ``Allocation``; what the harness looks up
 is the matching entry (``ScorerEntry``, ``SelectorEntry``, ...), which checks parameters and results.
 
+Allocation: a *profile* gives per-layer ratios from the layer count alone; an allocation that must see the model (a
+search over per-layer levels) returns instead a ``ModelAllocation``, which the pipeline calls once, before any layer
+is pruned, with an ``AllocationTask`` (``rcpu_bench.pruning.pipeline``).
+
 Selection: a *selector* chooses a module's kept and pruned units jointly (OBS); a *scorer* is its common case,
 a score per column, whose units with the lowest summed score are pruned. The run's ``scorer`` option names either.
 
@@ -19,7 +23,7 @@ statistic the method reads: "moments" (N, Σx, Σ|x|, Σx², and ‖Y‖² when 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
     from torch import Tensor, dtype, nn
 
     from rcpu_bench.compensation.compensators import Compensation
+    from rcpu_bench.pruning.pipeline import AllocationTask
     from rcpu_bench.selection.select import Selection, UnitMap
     from rcpu_bench.statistics.activations import ActivationStats
 
@@ -59,9 +64,21 @@ class Selector(Protocol):
 
 
 class Allocation(Protocol):
-    """Per-layer pruning ratios (n_layers values in [0, 1)) whose mean is the target ratio (parameter-matched)."""
+    """Per-layer pruning ratios (n_layers values in [0, 1)) whose mean is the target ratio (parameter-matched), or a
+    ``ModelAllocation`` that chooses them on the model itself."""
 
-    def __call__(self, n_layers: int, ratio: float, /) -> Tensor: ...
+    def __call__(self, n_layers: int, ratio: float, /) -> Tensor | ModelAllocation: ...
+
+
+class ModelAllocation(Protocol):
+    """Units pruned per layer and module, chosen on the dense model before any layer is pruned.
+
+    Called once with the run's ``AllocationTask``; returns ``(counts, report)``: per decoder layer, {module: units to
+    prune} for each pruned module, and a strict-JSON report that the record keeps as ``method_report["allocation"]``.
+    The model must be left as it was handed over (dense).
+    """
+
+    def __call__(self, task: AllocationTask, /) -> tuple[list[dict[str, int]], dict[str, Any]]: ...
 
 
 class Compensator(Protocol):
@@ -93,7 +110,7 @@ class Register(Protocol):
 
     def __call__(self, name: str, fn: Scorer | Selector | Compensator | ModelMethod | Allocation, *,
                  needs: Needs = "moments", description: str | None = None, save: SaveModel | None = None,
-                 load: LoadModel | None = None) -> None: ...
+                 load: LoadModel | None = None, check: Callable[[nn.Module], None] | None = None) -> None: ...
 
 
 # --- what the harness looks up (registry entries) --------------------------------------------------
@@ -131,7 +148,7 @@ class SelectorEntry(Entry, Protocol):
 
 
 class AllocationEntry(Entry, Protocol):
-    def __call__(self, n_layers: int, ratio: float, /, **params: Any) -> Tensor: ...
+    def __call__(self, n_layers: int, ratio: float, /, **params: Any) -> Tensor | ModelAllocation: ...
 
 
 class CompensatorEntry(Entry, Protocol):
@@ -162,7 +179,8 @@ def register_selectors(register: Register) -> None:
 
 @hookspec
 def register_allocations(register: Register) -> None:
-    """Register per-layer ratio profiles (the ``allocation`` option): ``register("name", fn, description=...)``."""
+    """Register allocations (the ``allocation`` option), per-layer ratio profiles or ``ModelAllocation`` builders:
+    ``register("name", fn, description=...)``."""
 
 
 @hookspec
@@ -172,9 +190,11 @@ def register_compensators(register: Register) -> None:
 
 @hookspec
 def register_model_methods(register: Register) -> None:
-    """Register whole-model methods (e.g. SliceGPT): ``register("name", fn, save=..., load=...)``.
+    """Register whole-model methods (e.g. SliceGPT): ``register("name", fn, save=..., load=..., check=...)``.
 
     A model method changes the model's structure beyond what ``save_pruned`` describes, so it brings its
     own ``save(model, directory, *, tokenizer, report)``, which must also write an ``rcpu_manifest.json``
-    with ``{"format": ..., "model_method": name}``, and ``load(directory, *, dtype, device)``.
+    with ``{"format": ..., "model_method": name}``, and ``load(directory, *, dtype, device)``. ``check(model)``
+    (optional) raises ValueError naming why the method cannot prune a model: it is called on the model's weightless
+    skeleton (meta device) before any weights load, so a model the method does not handle is refused first.
     """

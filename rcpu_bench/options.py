@@ -1,5 +1,5 @@
 """The one mechanism by which options are declared: an :class:`Option` (kind, default, choices, help, cell-id rule)
-and what every declaration derives from it: the check of a value, the ``--flag`` of a command, the README row.
+and what every declaration derives from it: the check of a value, the ``--flag`` of a command, the reference row.
 
 Three declarations use it: the pruning options (:mod:`rcpu_bench.pruning.options`, :class:`PruneConfig`'s
 fields), the experiment-level options (:mod:`rcpu_bench.experiment_options`: dtype, device, batch size, ...) and
@@ -38,7 +38,7 @@ class Option:
     value that ``read`` parses and checks. An option whose default is None also takes None (unset).
     ``library_check`` (a dtype's or device's name): a function that raises a ValueError naming the bad value and
     what is allowed. ``read(where, value)`` parses a matrix's YAML value (``where``: its location), raising an
-    error that names the location; ``shown``: the default as the README writes it, when not the value itself.
+    error that names the location; ``shown``: the default as the reference writes it, when not the value itself.
     """
 
     name: str
@@ -62,7 +62,7 @@ class Option:
 
     @property
     def allowed(self) -> str:
-        """The allowed values in words, for errors and the README."""
+        """The allowed values in words, for errors and the reference."""
         return ", ".join(self.choices) if self.kind == "choice" else ALLOWED[self.kind]
 
     def check(self, value: Any) -> None:
@@ -157,18 +157,18 @@ def add_argument(parser: argparse.ArgumentParser, option: Option, *, checked_lat
     parser.add_argument(option.flag, **kwargs)
 
 
-# ------------------------------------------------------------------------------------------------ README
+# --------------------------------------------------------------------------------------------- reference
 
 
 def shown(value: Any) -> str:
-    """A default as the README shows it."""
+    """A default as the reference shows it."""
     if isinstance(value, tuple):
         return ",".join(value) or "none"
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def markdown_table(options: Iterable[Option]) -> str:
-    """A README table of options as command-line flags, one row per option: flag, meaning, default."""
+    """A reference table of options as command-line flags, one row per option: flag, meaning, default."""
     rows = ["| option | meaning | default |", "|---|---|---|"]
     for option in options:
         value = "" if option.kind == "flag" else f" {metavar(option) or '|'.join(option.choices)}"

@@ -70,6 +70,7 @@ class Method:
     params: dict[str, Any] = field(default_factory=dict)
     save: Callable[..., Any] | None = None  # model methods: save(model, directory, *, tokenizer, report)
     load: Callable[..., Any] | None = None  # model methods: load(directory, *, dtype, device) -> LoadedModel
+    check: Callable[..., Any] | None = None  # model methods: check(skeleton) raises ValueError when it cannot prune it
     # Parameter sets whose trial run passed (repr of the sorted items): a matrix validates each set once, not per cell.
     _accepted: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
@@ -85,20 +86,21 @@ class Method:
                 raise ValueError(f"{self.kind} {self.name!r} parameter {key}={value!r} is text, not a number{hint}; "
                                  f"allowed: a number (default {self.params[key]!r})")
 
-    def validate(self, params: Mapping[str, Any]) -> None:
+    def validate(self, params: Mapping[str, Any], *, group_size: int = 1) -> None:
         """Check parameter names, then values by a trial run on a tiny synthetic problem (before real work).
 
-        The trial builds only the statistics the method declares in ``needs``. If a method declaring
+        The trial builds only the statistics the method declares in ``needs``; a selector's trial units come in
+        groups of ``group_size`` (the query rule's query heads of one key/value group). If a method declaring
         "moments" fails there but succeeds once G is supplied, it reads G without saying so: that is a
         ``PluginContractError`` naming the plugin and the declared need. A parameter set that passed is not
         tried again.
         """
         self.check_params(params)
-        key = repr(sorted(params.items()))
+        key = repr((sorted(params.items()), group_size))
         if self.kind == "model-method" or key in self._accepted:  # model methods: no cheap trial problem exists
             return
         try:
-            self(*_trial_problem(self.kind, self.needs), **params)
+            self(*_trial_problem(self.kind, self.needs, group_size), **params)
         except PluginContractError:
             raise
         except Exception as error:
@@ -108,7 +110,8 @@ class Method:
                     f"Gram matrix G = Σ x xᵀ: without G its trial run fails ({type(error).__name__}: {error}); "
                     "register it with needs='gram'") from error
             if isinstance(error, (ValueError, KeyError, TypeError)):
-                raise ValueError(f"{self.kind} {self.name!r} rejects parameters {dict(params)}: {error}") from error
+                what = f"units in groups of {group_size}" if group_size > 1 else f"parameters {dict(params)}"
+                raise ValueError(f"{self.kind} {self.name!r} rejects {what}: {error}") from error
             raise
         self._accepted.add(key)
 
@@ -141,9 +144,9 @@ def _parses_as_number(text: str) -> bool:
     return True
 
 
-def _trial_problem(kind: Kind, needs: Needs) -> tuple[Any, ...]:
+def _trial_problem(kind: Kind, needs: Needs, group_size: int = 1) -> tuple[Any, ...]:
     """W (3 × 4) and the statistics of 32 random tokens; compensators also get K = {0, 2}, pruned {1, 3}, selectors
-    units of 2 columns and one to prune; allocations get 4 layers and ratio 0.2.
+    units of 2 columns (in groups of ``group_size``) and one to prune; allocations get 4 layers and ratio 0.2.
 
     The statistics are the least that the declared need allows: moments and ‖Y‖², plus S and C_D over the
     pruned columns for "output_cross", C alone for "cross", G alone for "gram"."""
@@ -156,7 +159,7 @@ def _trial_problem(kind: Kind, needs: Needs) -> tuple[Any, ...]:
     stats = ActivationStats.from_activations(x, with_gram=needs == "gram", outputs=x @ weight.double().T,
                                              with_cross=needs == "cross",
                                              dropped=pruned if needs == "output_cross" else None)
-    extra = {"compensator": (kept, pruned), "selector": (UnitMap(2), 1)}
+    extra = {"compensator": (kept, pruned), "selector": (UnitMap(2, group_size=group_size), 1)}
     return (weight, stats, *extra.get(kind, ()))
 
 
@@ -181,6 +184,8 @@ def _check_selection(selection: Any, weight: torch.Tensor, _stats: Any, units: U
 
 
 def _check_allocation(ratios: Any, n_layers: int, ratio: float) -> str | None:
+    if callable(ratios):  # a hookspecs.ModelAllocation: the pipeline checks what it returns
+        return None
     if not isinstance(ratios, torch.Tensor) or ratios.shape != (n_layers,):
         return f"returned {_describe(ratios)}, expected a tensor of shape ({n_layers},)"
     if not (torch.isfinite(ratios).all() and (ratios >= 0).all() and (ratios < 1).all()):
@@ -251,14 +256,14 @@ def _parameters(fn: Callable[..., Any]) -> dict[str, Any]:
 
 def make_method(kind: Kind, name: str, fn: Callable[..., Any], provider: str, *, needs: str = "moments",
                 description: str | None = None, save: Callable[..., Any] | None = None,
-                load: Callable[..., Any] | None = None) -> Method:
-    """What ``register(name, fn, ...)`` declares, checked (needs, save/load only for model methods)."""
+                load: Callable[..., Any] | None = None, check: Callable[..., Any] | None = None) -> Method:
+    """What ``register(name, fn, ...)`` declares, checked (needs; save, load and check only for model methods)."""
     if needs not in NEEDS:
         raise ValueError(f"{kind} {name!r} from {provider}: needs={needs!r}; allowed: {', '.join(NEEDS)}")
-    if (save or load) and kind != "model-method":
-        raise ValueError(f"{kind} {name!r} from {provider}: only model methods take save= and load=")
+    if (save or load or check) and kind != "model-method":
+        raise ValueError(f"{kind} {name!r} from {provider}: only model methods take save=, load= and check=")
     summary = description or (inspect.getdoc(fn) or "").split("\n")[0]
-    return Method(kind, name, fn, provider, needs, summary, _parameters(fn), save, load)
+    return Method(kind, name, fn, provider, needs, summary, _parameters(fn), save, load, check)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 from transformers import AutoTokenizer
 
 from rcpu_bench import data, paths
-from rcpu_bench.data import CalibSpec, calibration_data, parse_calib
+from rcpu_bench.data import CalibSpec, calibration_data, holdout_windows, parse_calib
 
 needs_shared = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared fixtures not found (set {paths.SHARED_ENV})")
 # The canonical WikiText-2 raw test file (shared/DATA.md).
@@ -123,7 +123,7 @@ def test_parse_calib_errors_name_the_bad_value_and_the_allowed_forms(text, words
 
 @settings(max_examples=50, deadline=None)
 @given(source=st.sampled_from(["wikitext2", "tinystories", "tinystories[3:9]", "file:/x/y.txt", "file:a:b.jsonl"]),
-       n=st.integers(1, 10_000), seqlen=st.integers(1, 10_000), seed=st.integers(0, 2**32))
+       n=st.integers(1, 1024), seqlen=st.integers(2, 2048), seed=st.integers(0, 2**32))  # within MAX_CALIB_TOKENS
 def test_spec_string_round_trips(source, n, seqlen, seed):
     spec = CalibSpec(source, n, seqlen, seed)
     assert parse_calib(str(spec)) == spec
@@ -309,3 +309,17 @@ def test_cached_windows_are_reused_and_protected_from_callers(tok, tmp_path):
     again = calibration_data(f"file:{corpus}:4x16", tok).tokens
     assert torch.equal(again, expected)
     assert len(data._DOCUMENT_TOKENS) == 1 and len(data._WINDOWS) == 1
+
+
+def test_bos_windows_are_the_bos_and_seqlen_minus_one_stream_tokens(tok, tmp_path):
+    text = WIKI_TEST.read_text(encoding="utf-8")[:20_000]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text, encoding="utf-8")
+    got = calibration_data(f"file:{corpus}:16x64:seed=5:bos", tok)
+    ids = tok(text, return_tensors="pt").input_ids
+    assert torch.equal(got.tokens[:, 0], torch.full((16,), tok.bos_token_id))
+    assert torch.equal(got.tokens[:, 1:], reference_windows(ids, 16, 63, 5))
+    assert got.provenance.bos and got.provenance.seqlen == 64
+    assert str(parse_calib(f"file:{corpus}:16x64:seed=5:bos")) == f"file:{corpus}:16x64:seed=5:bos"
+    held = holdout_windows(f"file:{corpus}:16x64:seed=5:bos", tok, 3)
+    assert held.shape == (3, 64) and torch.equal(held[:, 0], torch.full((3,), tok.bos_token_id))

@@ -1,11 +1,10 @@
-"""Each option of a run is declared once (rcpu_bench.pruning.options); validation, flags and the README follow."""
+"""Each option of a run is declared once (rcpu_bench.pruning.options); validation, flags and the reference follow."""
 
 from __future__ import annotations
 
 import argparse
 import re
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
 
@@ -18,14 +17,6 @@ from rcpu_bench.options import Option
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.options import MODULES, OPTIONS, PruneConfig
-
-README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-def test_readme_option_table_is_the_generated_one():
-    text = README.read_text(encoding="utf-8")
-    (table,) = re.findall(r"<!-- prune-options:[^\n]*-->\n(.*?)\n<!-- /prune-options -->", text, flags=re.S)
-    assert table == options.markdown_table()
 
 
 def test_the_declaration_is_prune_config():
@@ -117,12 +108,6 @@ MODEL_COMMANDS = ("prune", "eval", "generate", "speed")
 
 def _actions(command: str) -> dict[str, argparse.Action]:
     return {action.dest: action for action in subcommand_parser(command)._actions}
-
-
-def test_readme_experiment_option_table_is_the_generated_one():
-    text = README.read_text(encoding="utf-8")
-    (table,) = re.findall(r"<!-- experiment-options:[^\n]*-->\n(.*?)\n<!-- /experiment-options -->", text, flags=re.S)
-    assert table == experiment_options.markdown_table()
 
 
 @pytest.mark.parametrize("name", experiment_options.MODEL)

@@ -64,10 +64,26 @@ def test_rcpu128_matches_a_window_by_window_loop(model, tok, wiki_excerpt):
     assert ids[0] == tok.bos_token_id and (ids == tok.bos_token_id).sum() == 1
     assert result["ppl"] == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-5)
     assert result["nll_mean"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
-    assert {k: v for k, v in result.items() if k not in ("ppl", "nll_mean")} == {
+    assert result["window_nll"] == pytest.approx([127 * loss for loss in losses], rel=1e-5)
+    assert result["window_targets"] == [127] * n_windows
+    assert {k: v for k, v in result.items() if k not in ("ppl", "nll_mean", "window_nll", "window_targets")} == {
         "profile": "rcpu128", "dataset": "wikitext2/test", "seqlen": 128, "n_windows": n_windows,
         "n_tokens": n_windows * 127, "dataset_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         "batch_size": 5}
+
+
+def test_rcpu128_bos_puts_the_bos_before_every_window_and_scores_all_its_tokens(model, tok, wiki_excerpt):
+    stream = data.token_stream(data.wikitext2_text(wiki_excerpt, "test"), tok)
+    assert stream[0] == tok.bos_token_id  # the stories tokenizer adds a BOS, which the profile moves to each window
+    body = stream[1:]
+    windows = body[: (body.numel() // 128) * 128].view(-1, 128)
+    with torch.no_grad():
+        expected = [F.cross_entropy(model(torch.cat([stream[:1], w])[None]).logits[0, :-1].double(), w,
+                                    reduction="sum").item() for w in windows[:3]]
+    result = perplexity(model, tok, "rcpu128-bos[0:3]", batch_size=2, data_dir=wiki_excerpt)
+    assert (result["n_windows"], result["n_tokens"], result["window_targets"]) == (3, 3 * 128, [128] * 3)
+    assert result["window_nll"] == pytest.approx(expected, rel=1e-5)
+    assert result["ppl"] == pytest.approx(math.exp(sum(expected) / (3 * 128)), rel=1e-5)
 
 
 @pytest.mark.slow  # 20-30 s on 2 loaded cores: a whole evaluation set against a per-sequence loop
@@ -125,10 +141,10 @@ def test_the_training_mode_is_restored(tok, wiki_excerpt):
 
 
 def test_profile_registry_and_errors(model, tok, wiki_excerpt):
-    assert set(PROFILES) == {"rcpu128", "std2048", "tinystories"}
+    assert set(PROFILES) == {"rcpu128", "rcpu128-bos", "std2048", "tinystories"}
     assert get_profile("tinystories[500:1000]").stories == (500, 1000)
     assert get_profile("rcpu128[0:10]").windows == (0, 10) and get_profile("rcpu128[0:10]").stories is None
-    with pytest.raises(ValueError, match="'wiki128'.*rcpu128, std2048, tinystories"):
+    with pytest.raises(ValueError, match="'wiki128'.*rcpu128, rcpu128-bos, std2048, tinystories"):
         get_profile("wiki128")
     with pytest.raises(ValueError, match=r"'rcpu128\[5:5\]'.*STOP > START"):
         get_profile("rcpu128[5:5]")

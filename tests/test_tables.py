@@ -268,8 +268,9 @@ def test_ablation_table_by_compensated_module():
                            ("RCPU (Rot.) compensating o_proj only", 0.1, 13.61),
                            ("RCPU (Rot.) compensating down_proj only", 0.1, 13.62),
                            ("RCPU (Rot.) compensating both", 0.1, 13.55)]
-    (main,) = tables_of(entries, "ppl")  # the main table keeps only runs that prune and compensate both
-    assert grid(main) == [("WANDA-sp", 0.1, 14.66), ("RCPU (Rot.)", 0.1, 13.55)]
+    (main,) = tables_of(entries, "ppl")  # runs compensating what they prune; one module only is marked
+    assert grid(main) == [("WANDA-sp", 0.1, 14.66), ("RCPU (Rot.)", 0.1, 13.55),
+                          ("RCPU (Rot.) [MLP channels only]", 0.1, 15.0)]
 
 
 def test_efficiency_table_reports_the_pruned_models_size_beside_peak_memory():
@@ -530,7 +531,7 @@ def test_csv_has_raw_numbers_and_no_marks():
 @pytest.mark.parametrize("call, message", [
     (lambda: render([], "html"), "'html'; allowed: md, latex, csv"),
     (lambda: spec("accuracy"),
-     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, generalisation, "
+     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, ranking, generalisation, "
      "main-effects, all"),
     (lambda: tables_of(ppl_entries(), lambda_rule="median"), "'median'; allowed: paper, holdout"),
 ])

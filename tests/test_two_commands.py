@@ -40,10 +40,11 @@ def test_ci_runs_the_readme_test_command():
     assert "make test" in ci_commands()
 
 
-def test_make_run_is_the_smoke_matrix_and_make_test_the_suite():
+def test_make_run_is_the_quick_matrix_and_make_test_the_suite():
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-    assert re.search(r"^run: setup\n\t\$\(BIN\)/rcpu-bench run --matrix smoke$", makefile, flags=re.M)
-    assert re.search(r"^test: setup setup-gguf\n\t\$\(BIN\)/python -m pytest tests plugins", makefile, flags=re.M)
+    assert re.search(r"^run: setup\n\t\$\(BIN\)/rcpu-bench run --matrix quick$", makefile, flags=re.M)
+    assert re.search(r"^test: setup\n\t\$\(BIN\)/python -m pytest tests plugins -m \"slow or not slow\"", makefile,
+                     flags=re.M)
 
 
 def test_ci_runs_make_run_in_its_fresh_clone_before_anything_writes_into_it():

@@ -45,6 +45,10 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("rcpu128", "wikitext2-test", 128,
             'WikiText-2-raw test, "\\n\\n".join, tokenized once, non-overlapping 128-token windows, remainder '
             "dropped (RCPU / FLAP / LLM-Pruner); rcpu128[START:STOP] scores windows START..STOP-1 only"),
+    Profile("rcpu128-bos", "wikitext2-test-bos", 128,
+            "as rcpu128, each 128-token window preceded by the tokenizer's BOS (not scored) when its tokenizer adds "
+            "one to every text, so all 128 window tokens are scored; models trained always to see BOS first (Gemma) "
+            "are far off their distribution without it. With a tokenizer that adds no BOS it equals rcpu128"),
     Profile("std2048", "wikitext2-test", 2048,
             "as rcpu128 with 2048-token windows, or max_position_embeddings if smaller (SparseGPT / Wanda / SliceGPT)"),
     Profile("tinystories", "tinystories", 512,
@@ -53,7 +57,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             stories=(0, 1000)),
 )}
 
-_RANGED = re.compile(r"(?P<name>\w+)\[(?P<start>\d+):(?P<stop>\d+)\]")
+_RANGED = re.compile(r"(?P<name>[\w-]+)\[(?P<start>\d+):(?P<stop>\d+)\]")
 
 
 def get_profile(name: str) -> Profile:
@@ -89,6 +93,17 @@ def _wikitext_windows(source: data.SourceText, tokenizer, seqlen: int) -> list[T
     return list(stream[: n_windows * seqlen].view(n_windows, seqlen))
 
 
+def _bos_windows(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
+    """The rcpu128 windows, each preceded by BOS when the tokenizer adds one (the stream's own leading BOS is not
+    part of a window then); else the rcpu128 windows themselves."""
+    bos = data.added_bos(tokenizer)
+    if bos is None:
+        return _wikitext_windows(source, tokenizer, seqlen)
+    stream = data.token_stream(source, tokenizer)[1:]  # the stream starts with the tokenizer's BOS
+    n_windows = len(stream) // seqlen
+    return list(data.with_bos(stream[: n_windows * seqlen].view(n_windows, seqlen), bos))
+
+
 def _story_sequences(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
     """One sequence per story: BOS + story tokens, truncated to seqlen."""
     return [ids[:seqlen] for ids in data.tokenize_documents(source, tokenizer)]
@@ -96,6 +111,7 @@ def _story_sequences(source: data.SourceText, tokenizer, seqlen: int) -> list[Te
 
 _DATASETS: dict[str, Callable[[data.SourceText, object, int], list[Tensor]]] = {
     "wikitext2-test": _wikitext_windows,
+    "wikitext2-test-bos": _bos_windows,
     "tinystories": _story_sequences,
 }
 

@@ -1,14 +1,21 @@
-"""The tokenizer of a model as llama.cpp's GGUF vocabulary: token texts, scores, types and special ids.
+"""The tokenizer of a model as llama.cpp's GGUF vocabulary: token texts, scores or merges, types and special ids.
 
-llama.cpp's ``llama`` tokenizer (its sentencepiece-BPE port) starts from the UTF-8 characters of the text
-(with ``▁`` for spaces and a leading ``▁`` when ``add_space_prefix``) and repeatedly merges the adjacent
-pair whose concatenation is a token of highest *score*; unknown characters fall back to ``<0xXX>`` byte
-tokens. A Hugging Face tokenizer converted from sentencepiece (a byte-fallback BPE with a ``Metaspace``
-pre-tokenizer, what Llama 1/2 and the stories fixtures use) instead merges the pair of lowest *rank* in its
-merge list, a list the converter ordered by the sentencepiece scores. So the score written for a token is
-minus the rank of the first merge producing it (0 for the tokens no merge produces), which makes both
-tokenizers merge in the same order. Other tokenizers (byte-level GPT-2 BPE as in Llama 3, WordPiece, ...) are
-refused: llama.cpp reads them through pre-tokenizer names this exporter does not write.
+Two kinds of Hugging Face tokenizers are written, each as the llama.cpp tokenizer that splits and merges a text
+the same way:
+
+- sentencepiece-style (a byte-fallback BPE with a ``Metaspace`` pre-tokenizer: Llama 1/2, the stories fixtures) as
+  llama.cpp's ``llama`` tokenizer (its sentencepiece-BPE port). That one starts from the UTF-8 characters of the
+  text (with ``▁`` for spaces and a leading ``▁`` when ``add_space_prefix``) and repeatedly merges the adjacent
+  pair whose concatenation is a token of highest *score*; unknown characters fall back to ``<0xXX>`` byte tokens.
+  The Hugging Face tokenizer instead merges the pair of lowest *rank* in its merge list, a list the converter
+  ordered by the sentencepiece scores. So the score written for a token is minus the rank of the first merge
+  producing it (0 for the tokens no merge produces), which makes both tokenizers merge in the same order.
+- byte-level BPE with GPT-2's own split (a ``ByteLevel`` pre-tokenizer applying its regex, no normalizer, no other
+  pre-tokenizer: GPT-2, SmolLM) as llama.cpp's ``gpt2`` tokenizer with the ``gpt-2`` pre-tokenizer, which splits
+  with the same regex; tokens are written in their byte-level form with the merge list itself.
+
+Other tokenizers (other split regexes as in Llama 3 or Qwen, WordPiece, Unigram, ...) are refused: llama.cpp reads
+them through pre-tokenizer names whose splits this exporter does not check.
 """
 
 from __future__ import annotations
@@ -19,16 +26,18 @@ from dataclasses import dataclass
 from typing import Any
 
 # gguf.TokenType's values (the GGUF format's token types), named here so this module needs no gguf import.
-NORMAL, UNKNOWN, CONTROL, UNUSED, BYTE = 1, 2, 3, 5, 6
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 @dataclass(frozen=True)
 class Vocab:
-    """A GGUF ``llama`` tokenizer: token i is ``tokens[i]`` with ``scores[i]`` and ``types[i]``."""
+    """A GGUF tokenizer (``model`` ``llama`` or ``gpt2``): token i is ``tokens[i]`` of type ``types[i]``, with
+    ``scores[i]`` (``llama``); ``gpt2`` carries its ``merges`` ("a b") and its pre-tokenizer name ``pre``."""
 
+    model: str
     tokens: list[str]
-    scores: list[float]
+    scores: list[float] | None
     types: list[int]
     bos_id: int | None
     eos_id: int | None
@@ -36,6 +45,8 @@ class Vocab:
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
+    merges: list[str] | None = None
+    pre: str | None = None
 
 
 def tokenizer_spec(tokenizer: Any) -> dict:
@@ -59,6 +70,19 @@ def sentencepiece_problem(spec: dict) -> str | None:
     return None
 
 
+def byte_level_problem(spec: dict) -> str | None:
+    """Why ``spec`` is not a byte-level BPE splitting with GPT-2's regex alone, or None."""
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        return f"model {model.get('type')!r} (byte_fallback={model.get('byte_fallback')!r}), not a byte-level BPE"
+    if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) or pre.get("add_prefix_space"):
+        return (f"pre-tokenizer {pre.get('type')!r} ({pre}), not a ByteLevel split with GPT-2's regex and no added "
+                "prefix space")
+    if spec.get("normalizer") is not None:
+        return f"normalizer {spec['normalizer'].get('type')!r} (llama.cpp's gpt2 tokenizer applies none)"
+    return None
+
+
 def merge_scores(merges: list) -> dict[str, float]:
     """Score of each merged token: minus the rank of the first merge that produces it (merges as "a b" or [a, b])."""
     scores: dict[str, float] = {}
@@ -77,38 +101,46 @@ def _special_flags(tokenizer: Any) -> tuple[bool, bool]:
 
 
 def gguf_vocab(tokenizer: Any, n_vocab: int) -> Vocab:
-    """The GGUF vocabulary of ``tokenizer`` padded to the model's ``n_vocab`` embedding rows.
+    """The GGUF vocabulary of ``tokenizer`` padded to the model's ``n_vocab`` embedding rows (module docstring).
 
     Rows past the tokenizer's vocabulary become ``[PAD<i>]`` tokens of type UNUSED (as llama.cpp's
     converter writes them); a tokenizer larger than the embeddings is a ValueError.
     """
     spec = tokenizer_spec(tokenizer)
-    problem = sentencepiece_problem(spec)
-    if problem:
-        raise ValueError(f"GGUF export handles sentencepiece-style tokenizers (byte-fallback BPE with a Metaspace "
-                         f"pre-tokenizer, as Llama 1/2); this tokenizer has {problem}")
+    problems = {"llama": sentencepiece_problem(spec), "gpt2": byte_level_problem(spec)}
+    kind = next((name for name, problem in problems.items() if problem is None), None)
+    if kind is None:
+        raise ValueError("GGUF export handles sentencepiece-style tokenizers (byte-fallback BPE with a Metaspace "
+                         "pre-tokenizer, as Llama 1/2) and byte-level BPE with GPT-2's split (GPT-2, SmolLM); this "
+                         f"tokenizer has {problems['llama']}, and {problems['gpt2']}")
     pieces = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec.get("added_tokens", [])}}
     if max(pieces.values()) >= n_vocab:
         raise ValueError(f"the tokenizer has ids up to {max(pieces.values())} but the model only {n_vocab} "
                          "embedding rows")
     by_id = {i: piece for piece, i in pieces.items()}
-    scores = merge_scores(spec["model"].get("merges", []))
-    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
-    unk_id = tokenizer.unk_token_id
-    tokens, token_scores, types = [], [], []
-    for i in range(n_vocab):
-        piece = by_id.get(i)
-        if piece is None:
-            tokens.append(f"[PAD{i}]")
-            token_scores.append(0.0)
-            types.append(UNUSED)
-            continue
-        tokens.append(piece)
-        token_scores.append(scores.get(piece, 0.0))
-        types.append(UNKNOWN if i == unk_id else CONTROL if i in special
-                     else BYTE if _BYTE_TOKEN.fullmatch(piece) else NORMAL)
+    merges = spec["model"].get("merges", [])
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n_vocab)]
+    types = [_token_type(i, by_id.get(i), added.get(i), tokenizer.unk_token_id, kind) for i in range(n_vocab)]
     add_bos, add_eos = _special_flags(tokenizer)
+    ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id)
+    if kind == "gpt2":
+        return Vocab("gpt2", tokens, None, types, *ids, add_bos, add_eos, add_space_prefix=False,
+                     merges=[merge if isinstance(merge, str) else " ".join(merge) for merge in merges], pre="gpt-2")
+    scores = merge_scores(merges)
     prepend = spec["pre_tokenizer"].get("prepend_scheme", "always" if spec["pre_tokenizer"].get("add_prefix_space",
                                                                                               True) else "never")
-    return Vocab(tokens, token_scores, types, tokenizer.bos_token_id, tokenizer.eos_token_id, unk_id, add_bos, add_eos,
+    return Vocab("llama", tokens, [scores.get(token, 0.0) for token in tokens], types, *ids, add_bos, add_eos,
                  add_space_prefix=prepend != "never")
+
+
+def _token_type(i: int, piece: str | None, added: dict | None, unk_id: int | None, kind: str) -> int:
+    """The GGUF type of token ``i``: padding UNUSED, the unknown token UNKNOWN, special added tokens CONTROL, other
+    added tokens USER_DEFINED (``gpt2``), ``<0xXX>`` byte tokens BYTE (``llama``), the rest NORMAL."""
+    if piece is None:
+        return UNUSED
+    if i == unk_id:
+        return UNKNOWN
+    if added is not None:
+        return CONTROL if added.get("special") else USER_DEFINED if kind == "gpt2" else NORMAL
+    return BYTE if kind == "llama" and _BYTE_TOKEN.fullmatch(piece) else NORMAL

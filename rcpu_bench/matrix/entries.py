@@ -21,6 +21,7 @@ from rcpu_bench.matrix.schema import (
     Reader,
     checked,
     error_message,
+    flag,
     integer,
     items,
     listed,
@@ -209,9 +210,10 @@ class CalibGrid:
     n_calib: tuple[int, ...]
     seqlen: int
     seed: int
+    bos: bool
 
     def spec(self, n_calib: int) -> str:
-        return str(data.CalibSpec(self.source, n_calib, self.seqlen, self.seed))
+        return str(data.CalibSpec(self.source, n_calib, self.seqlen, self.seed, self.bos))
 
 
 _DEFAULT = data.parse_calib(DEFAULT_CALIB)
@@ -219,7 +221,8 @@ CALIB_KEYS = (matrix_key("source", text, "wikitext2, tinystories, tinystories[A:
               matrix_key("n_calib", listed(integer(1)), "calibration sequences; a list runs each size",
                          (_DEFAULT.n_samples,)),
               matrix_key("seqlen", integer(1), "tokens per calibration sequence", _DEFAULT.seqlen),
-              matrix_key("seed", integer(0), "the sampling seed", _DEFAULT.seed))
+              matrix_key("seed", integer(0), "the sampling seed", _DEFAULT.seed),
+              matrix_key("bos", flag, "each window begins with the tokenizer's BOS (when it adds one)", False))
 
 
 def read_calib(where: str, value: Any) -> CalibGrid:

@@ -189,6 +189,8 @@ def load_config(name_or_path: str, revision: str | None = None, *,
     """
     source = model_source(name_or_path)
     config_file = cached_file(source, "config.json", revision=revision)
+    if config_file is None:  # a local directory without one (transformers 5 returns None, not an error)
+        raise FileNotFoundError(f"model {name_or_path} has no config.json; allowed: a model directory with its config")
     check_remote_code(name_or_path, config_file, trust_remote_code)
     commit = extract_commit_hash(config_file, None)
     config = AutoConfig.from_pretrained(source, revision=commit or revision, trust_remote_code=trust_remote_code)

@@ -18,14 +18,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_type_hints
 
+from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.views import MODULES
 from rcpu_bench.options import Kind, Option, add_argument
 from rcpu_bench.options import markdown_table as options_table
+from rcpu_bench.pruning import depth
 from rcpu_bench.pruning.allocation import AL_AM, UNIFORM
-from rcpu_bench.selection.select import Rounding, n_pruned
+from rcpu_bench.selection.select import Rounding, kept_multiple, n_pruned
 from rcpu_bench.statistics.activations import GramPrecision
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from rcpu_bench.model.views import LayerGeometry
     from rcpu_bench.registry import Registry
 
@@ -111,7 +115,8 @@ class PruneConfig:
         """Raise a clear error for any bad value before work starts: each option's own check, then the registry's."""
         for option in OPTIONS:
             option.check(getattr(self, option.name))
-        registry.selection(self.scorer).validate(self.scorer_params)
+        grouped = self.gqa_rule == "query" and "attention" in self.prune and self.model_method is None
+        registry.selection(self.scorer).validate(self.scorer_params, group_size=2 if grouped else 1)
         if self.structure == AL_AM and (self.allocation != UNIFORM or self.allocation_params):
             raise ValueError(f"structure='al-am' is itself the allocation; got allocation={self.allocation!r} "
                              f"with {self.allocation_params}; allowed: allocation 'uniform' or 'al-am', no parameters")
@@ -134,26 +139,65 @@ class PruneConfig:
             raise ValueError(f"round_to={self.round_to} rounds by unit scores, which the selector {self.scorer!r} does "
                              "not give; allowed: round_to=0 with a selector, or a scorer")
 
-    def check_units(self, geometries: Sequence[LayerGeometry]) -> None:
+    def check_budget(self, skeleton: nn.Module, registry: Registry) -> None:
+        """Raise a clear error for every limit the model's shape decides, before its weights load: the units each
+        layer loses under the allocation (``check_units``), ``round_to`` against each module's units, and a depth
+        method's layer count (``depth.check_ratio``); ``skeleton`` may be weightless (meta)."""
+        geometries = layer_geometries(skeleton)
+        self.check_units(geometries, self.layer_ratios(registry, len(geometries)))
+        if self.round_to:
+            self._check_round_to(geometries)
+        if self.model_method is not None:
+            depth.check_ratio(registry.get("model-method", self.model_method).fn, skeleton, self.ratio)
+
+    def layer_ratios(self, registry: Registry, n_layers: int) -> list[float] | None:
+        """The allocation profile's per-layer ratios, computed as the pipeline computes them (so a budget it cannot
+        meet, log-increase's last layer at ratio >= 1 say, fails now), or None where the counts are chosen on the
+        model itself: a whole-model method, AL-AM, or a model allocation."""
+        if self.model_method is not None or self.structure != "uniform":
+            return None
+        profile = registry.allocation(self.allocation)(n_layers, self.ratio, **self.allocation_params)
+        return None if callable(profile) else profile.tolist()
+
+    def check_units(self, geometries: Sequence[LayerGeometry], ratios: Sequence[float] | None = None) -> None:
         """Raise a clear error, before pruning, if the ratio would prune every unit of some layer's module.
 
         The units one selection chooses from: key/value groups or MLP channels, or under ``gqa_rule='query'`` the
         query heads of one group. ``n_pruned(n, ρ) < n`` always holds with floor rounding (ρ < 1); with ceil it
-        needs ρ ≤ (n − 1)/n. FLAP's global structure and whole-model methods choose their own counts.
+        needs ρ ≤ (n − 1)/n. ``ratios``: each layer's ratio under the allocation (default: ``ratio`` everywhere).
+        FLAP's global structure and whole-model methods choose their own counts.
         """
         if self.model_method is not None or self.structure != "uniform":
             return
         for module in self.prune:
             self._check_prunable(module, geometries)
-        for index, geometry in enumerate(geometries):
+        for index, (geometry, ratio) in enumerate(zip(geometries, ratios or [self.ratio] * len(geometries),
+                                                      strict=True)):
             for module in self.prune:
                 n, what = selection_units(geometry, module, self.gqa_rule)
                 try:
-                    n_pruned(n, self.ratio, self.rounding)
+                    n_pruned(n, ratio, self.rounding)
                 except ValueError:
                     bound = f"ratio <= {n - 1}/{n} = {(n - 1) / n:.4g}" if n > 1 else "ratio=0"
-                    raise ValueError(f"ratio={self.ratio} with rounding={self.rounding!r} would prune all {n} {what} "
+                    given = (f"ratio={ratio}" if ratio == self.ratio else
+                             f"allocation {self.allocation!r} at ratio={self.ratio} gives layer {index} ratio "
+                             f"{ratio:.4g}, which")
+                    raise ValueError(f"{given} with rounding={self.rounding!r} would prune all {n} {what} "
                                      f"of layer {index}'s {module}; allowed: {bound}, or rounding='floor'") from None
+
+    def _check_round_to(self, geometries: Sequence[LayerGeometry]) -> None:
+        """Raise when some pruned module's whole units cannot make a kept width that is a multiple of ``round_to``
+        channels: that takes round_to / gcd(round_to, unit size) units (``kept_multiple``)."""
+        for index, geometry in enumerate(geometries):
+            for module in self.prune:
+                n, what = selection_units(geometry, module, self.gqa_rule)
+                size = geometry.head_dim * geometry.queries_per_group if module == "attention" else 1
+                needed = kept_multiple(self.round_to, size)
+                if n < needed:
+                    raise ValueError(f"round_to={self.round_to}: a multiple of {self.round_to} channels takes "
+                                     f"{needed} {what} of {size} channels, and layer {index}'s {module} has {n}; "
+                                     f"allowed: 0, or a round_to of at most {n * size} whose multiples whole units "
+                                     f"make (round_to / gcd(round_to, {size}) <= {n})")
 
     def _check_prunable(self, module: str, geometries: Sequence[LayerGeometry]) -> None:
         """Raise when ``module`` is asked to be pruned but its selection has a single unit in every layer (one

@@ -55,6 +55,8 @@ def remove_columns(w: Tensor, hinv: Tensor, cols: Tensor) -> tuple[Tensor, Tenso
 
 def greedy_order(w: Tensor, hinv: Tensor, unit_size: int, n_prune: int, batch: int = 1) -> list[int]:
     """Units in the order greedy OBS removes them: at each step the ``batch`` smallest ε_u given those removed."""
+    if unit_size == 1 and batch == 1:
+        return greedy_columns(w.clone(), hinv.clone(), n_prune)
     remaining = torch.arange(w.shape[1] // unit_size, device=w.device)
     order: list[int] = []
     while len(order) < n_prune:
@@ -67,6 +69,28 @@ def greedy_order(w: Tensor, hinv: Tensor, unit_size: int, n_prune: int, batch: i
         keep = torch.ones(len(remaining), dtype=torch.bool, device=w.device)
         keep[take] = False
         remaining = remaining[keep]
+    return order
+
+
+def greedy_columns(w: Tensor, hinv: Tensor, n_prune: int) -> list[int]:
+    """Single columns one at a time (greedy OBS on MLP channels), the same removals as :func:`remove_columns` as
+    rank-one updates in place (``w`` and ``hinv`` are overwritten): with p the removed column and h = (H⁻¹)_{p,:},
+
+        ε_j = ‖W_{:,j}‖² / (H⁻¹)_{jj},   W ← W − W_{:,p} hᵀ / h_p,   H⁻¹ ← H⁻¹ − h hᵀ / h_p,
+
+    which zero column p of both (so the removed columns are masked out of the next argmin instead of re-indexed).
+    """
+    removed = torch.zeros(w.shape[1], dtype=torch.bool, device=w.device)
+    order: list[int] = []
+    for _ in range(n_prune):
+        errors = w.square().sum(0).div_(hinv.diagonal()).masked_fill_(removed, float("inf"))
+        p = int(torch.argmin(errors))  # the first of equal minima, as a stable sort's
+        row = hinv[p].clone()  # h, (d_in,)
+        pivot = float(row[p])
+        w.addr_(w[:, p].clone(), row, alpha=-1 / pivot)
+        hinv.addr_(row, row, alpha=-1 / pivot)
+        removed[p] = True
+        order.append(p)
     return order
 
 

@@ -41,8 +41,8 @@ ABLATION_LABELS = {
     BOTH_MODULES: f"{ROT} compensating both",
 }
 ROW_ORDER = [recipe.label for recipe in RECIPES.values()] + list(ABLATION_LABELS.values())
-TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency", "generalisation",
-               "main-effects")
+TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency", "ranking",
+               "generalisation", "main-effects")
 
 Slot = tuple[str, int]  # (model label, N_calib): one column group, or one table of a per-slot kind
 RowKey = tuple[str, float]  # (row label, pruning ratio)
@@ -58,18 +58,20 @@ class Reference(Protocol):
     def value(self, kind: str, slot: Slot, row: RowKey, metric: str) -> float | None: ...
 
 
-def compensates_all(result: StoredResult) -> bool:
-    """Whether a run prunes and compensates both modules (attention and MLP)."""
+def compensates_pruned(result: StoredResult) -> bool:
+    """Whether a run prunes something and compensates every module it prunes."""
     prune = result.prune
-    return set(prune["prune"]) == BOTH_MODULES == set(prune["compensate"])
+    return bool(prune["prune"]) and set(prune["prune"]) <= set(prune["compensate"])
 
 
 def any_row(result: StoredResult) -> str | None:
-    """The row of a run pruning and compensating both modules in a main or an "other" table."""
+    """The row of a run compensating what it prunes in a main or an "other" table."""
     return method_row(result) or other_row(result)
 
 
 SCALE_VOID = " [scale void: post-norm]"
+# A run pruning one module only is its method's row with this mark (runs of both modules have none).
+SCOPE = {frozenset({"mlp"}): " [MLP channels only]", frozenset({"attention"}): " [heads only]"}
 
 
 def scale_void(result: StoredResult) -> bool:
@@ -80,21 +82,22 @@ def scale_void(result: StoredResult) -> bool:
 
 
 def _marked(label: str, result: StoredResult) -> str:
-    """The row label, marked when the run is not the distinct method its name says (``scale_void``)."""
+    """The row label, marked when the run prunes one module only (``SCOPE``) and when it is not the distinct method
+    its name says (``scale_void``)."""
+    label += SCOPE.get(frozenset(result.prune["prune"]), "")
     return label + SCALE_VOID if scale_void(result) else label
 
 
 def method_row(result: StoredResult) -> str | None:
-    """The row of a main table: the named method (the paper's rows) of a run pruning and compensating both
-    modules."""
-    label = label_of(result.prune) if compensates_all(result) else None
+    """The row of a main table: the named method (the paper's rows) of a run compensating what it prunes."""
+    label = label_of(result.prune) if compensates_pruned(result) else None
     return None if label is None else _marked(label, result)
 
 
 def other_row(result: StoredResult) -> str | None:
-    """The row of an "other" table: a run pruning and compensating both modules with no named method's
-    configuration, under its label from the final configuration (e.g. ``wanda-sp+ridge``)."""
-    if not compensates_all(result) or label_of(result.prune) is not None:
+    """The row of an "other" table: a run compensating what it prunes with no named method's configuration, under
+    its label from the final configuration (e.g. ``wanda-sp+ridge``)."""
+    if not compensates_pruned(result) or label_of(result.prune) is not None:
         return None
     return _marked(cell_label(result.cell), result)
 
@@ -108,9 +111,10 @@ def ablation_row(result: StoredResult) -> str | None:
 
 
 def row_order(row: RowKey) -> tuple[float, int, str]:
-    """Rows by ratio, then the paper's method order, then other labels alphabetically."""
+    """Rows by ratio, then the paper's method order (whatever the marks), then other labels alphabetically."""
     label, ratio = row
-    return ratio, ROW_ORDER.index(label) if label in ROW_ORDER else len(ROW_ORDER), label
+    method = label.split(" [")[0]
+    return ratio, ROW_ORDER.index(method) if method in ROW_ORDER else len(ROW_ORDER), label
 
 
 def slot_of(result: StoredResult) -> Slot:
@@ -148,6 +152,8 @@ class Spec:
 
 
 OTHERS = " of other scorer × compensator combinations"
+DATASET_NAMES = {"wikitext2-test": "WikiText-2", "wikitext2-test-bos": "WikiText-2 (BOS per window)",
+                 "tinystories": "TinyStories"}
 
 
 def spec(kind: str, profile: str = PAPER_PROFILE, metric_map: str = "paper") -> Spec:
@@ -155,7 +161,7 @@ def spec(kind: str, profile: str = PAPER_PROFILE, metric_map: str = "paper") -> 
     row, of = (other_row, OTHERS) if kind.endswith("-other") else (method_row, "")
     if kind in ("ppl", "ppl-other"):
         dataset = get_profile(profile).dataset
-        dataset = dataset.replace("wikitext2-test", "WikiText-2").replace("tinystories", "TinyStories")
+        dataset = DATASET_NAMES.get(dataset, dataset)
         return Spec(f"{dataset} perplexity{of} ({profile}, lower is better)", row, ((PPL, ppl_of(profile)),),
                     per_slot=False, paper=kind)
     if kind == "ablation":

@@ -27,7 +27,7 @@ from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.options import is_default_pipeline
 from rcpu_bench.tables import generalisation, main_effects
 from rcpu_bench.tables.figures import DPI, save_figure
-from rcpu_bench.tables.layout import any_row, cell_grid, compensates_all
+from rcpu_bench.tables.layout import any_row, cell_grid, compensates_pruned
 from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, ppl_of
 from rcpu_bench.tables.table import ORIGINAL
 
@@ -55,7 +55,7 @@ LambdaPanels = dict[tuple[int, str, float], LambdaCurve]  # (N_calib, scorer, ra
 
 def _plotted(result: StoredResult) -> bool:
     """Pruned runs of the RCPU pipeline (uniform structure, sequential statistics) on both modules."""
-    return compensates_all(result) and result.ratio > 0 and is_default_pipeline(result.prune)
+    return compensates_pruned(result) and result.ratio > 0 and is_default_pipeline(result.prune)
 
 
 def _ppl(result: StoredResult, profile: str) -> float | None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES
 from rcpu_bench.matrix.store import StoredResult
-from rcpu_bench.tables import generalisation, main_effects
+from rcpu_bench.tables import generalisation, main_effects, significance
 from rcpu_bench.tables.layout import TABLE_KINDS, build_tables, spec
 from rcpu_bench.tables.paper import PaperNumbers
 from rcpu_bench.tables.results import PAPER_PROFILE, check_profile
@@ -28,12 +28,15 @@ def make_tables(results: Sequence[StoredResult], table: str = "all", *, profile:
     if lambda_rule not in LAMBDA_RULES:
         raise ValueError(f"unknown lambda rule {lambda_rule!r}; allowed: {', '.join(LAMBDA_RULES)}")
     kinds = tuple(k for k in TABLE_KINDS if k != "main-effects") if table == "all" else (table,)  # asked by name
-    specs = [spec(kind, profile, metric_map) for kind in kinds if kind not in ("generalisation", "main-effects")]
-    if {"ppl", "ppl-other", "ablation", "main-effects"} & set(kinds):
+    specs = [spec(kind, profile, metric_map) for kind in kinds
+             if kind not in ("ranking", "generalisation", "main-effects")]
+    if {"ppl", "ppl-other", "ablation", "ranking", "main-effects"} & set(kinds):
         check_profile(results, profile)
         if paper is not None and profile != PAPER_PROFILE:
             raise ValueError(f"the paper's perplexities are profile {PAPER_PROFILE}; got --profile {profile}")
     tables = [t for s in specs for t in build_tables(results, s, paper, lambda_rule)]
+    if "ranking" in kinds:
+        tables += significance.ranking_tables(results, profile, metric_map=metric_map, lambda_rule=lambda_rule)
     if "generalisation" in kinds:
         tables += generalisation.make_tables(results)
     if "main-effects" in kinds:

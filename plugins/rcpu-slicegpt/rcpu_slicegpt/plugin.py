@@ -12,7 +12,7 @@ from rcpu_bench import hookimpl
 from rcpu_bench.model import parameter_count
 from rcpu_slicegpt.persistence import load_sliced, save_sliced
 from rcpu_slicegpt.reference import reference_status, slice_with_reference
-from rcpu_slicegpt.slicing import choose_dim, slice_model
+from rcpu_slicegpt.slicing import check_supported, choose_dim, slice_model
 
 BUDGETS = ("hidden", "params")
 
@@ -49,4 +49,4 @@ def slicegpt(model: nn.Module, calib_ids: Tensor, *, ratio: float, budget: Liter
 
 @hookimpl
 def register_model_methods(register):
-    register("slicegpt", slicegpt, save=save_sliced, load=load_sliced)
+    register("slicegpt", slicegpt, save=save_sliced, load=load_sliced, check=check_supported)

@@ -1,0 +1,86 @@
+"""Paired bootstrap comparisons (rcpu_bench.tables.significance) against scipy's paired bootstrap and direct
+computations, and the ranking tables built from them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from rcpu_bench.tables.significance import accuracy_difference, ppl_difference
+
+
+def entry(nll, targets, profile="rcpu128[0:40]"):
+    return {"profile": profile, "window_nll": list(nll), "window_targets": list(targets),
+            "ppl": math.exp(sum(nll) / sum(targets))}
+
+
+def scipy_ppl_interval(nll_a, nll_b, targets):
+    def statistic(a, b, t, axis):
+        return np.exp(a.sum(axis) / t.sum(axis)) - np.exp(b.sum(axis) / t.sum(axis))
+    result = stats.bootstrap((nll_a, nll_b, targets), statistic, paired=True, vectorized=True, n_resamples=20000,
+                             method="percentile", random_state=np.random.default_rng(1))
+    return result.confidence_interval
+
+
+def test_the_perplexity_difference_matches_scipys_paired_bootstrap():
+    rng = np.random.default_rng(0)
+    targets = np.full(200, 127.0)
+    nll_b = rng.normal(4.0, 0.5, 200) * targets
+    nll_a = nll_b + rng.normal(0.02, 0.05, 200) * targets  # A slightly worse, window by window
+    ours = ppl_difference(entry(nll_a, targets), entry(nll_b, targets))
+    expected = math.exp(nll_a.sum() / targets.sum()) - math.exp(nll_b.sum() / targets.sum())
+    assert ours.estimate == pytest.approx(expected, rel=1e-12)
+    low, high = scipy_ppl_interval(nll_a, nll_b, targets)
+    width = high - low
+    assert abs(ours.low - low) < 0.05 * width and abs(ours.high - high) < 0.05 * width
+    assert not ours.tie and ours.low > 0
+
+
+def test_stories_of_unequal_length_weigh_by_their_tokens():
+    rng = np.random.default_rng(2)
+    targets = rng.integers(20, 400, 80).astype(float)
+    nll_b = rng.normal(2.0, 0.3, 80) * targets
+    nll_a = nll_b + rng.normal(0.0, 0.05, 80) * targets
+    ours = ppl_difference(entry(nll_a, targets, "tinystories"), entry(nll_b, targets, "tinystories"))
+    low, high = scipy_ppl_interval(nll_a, nll_b, targets)
+    assert abs(ours.low - low) < 0.06 * (high - low) and abs(ours.high - high) < 0.06 * (high - low)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(1.0, 8.0), min_size=2, max_size=30), st.floats(-0.5, 0.5))
+def test_a_constant_shift_orders_the_runs_by_its_sign(per_token, shift):
+    targets = np.full(len(per_token), 64.0)
+    nll_b = np.array(per_token) * targets
+    same = ppl_difference(entry(nll_b, targets), entry(nll_b, targets))
+    assert (same.estimate, same.low, same.high) == (0.0, 0.0, 0.0) and same.tie
+    shifted = ppl_difference(entry(nll_b + shift * targets, targets), entry(nll_b, targets))
+    if abs(shift) > 1e-6:  # every window moves by the same factor: every resample has the sign of the shift
+        assert np.sign(shifted.low) == np.sign(shifted.high) == np.sign(shift)
+
+
+def test_different_windows_are_refused():
+    with pytest.raises(ValueError, match="not on the same windows"):
+        ppl_difference(entry([1.0, 2.0], [1, 1]), entry([1.0, 2.0, 3.0], [1, 1, 1]))
+    with pytest.raises(ValueError, match="no per-window values"):
+        ppl_difference({"profile": "rcpu128", "ppl": 3.0}, entry([1.0], [1]))
+
+
+def test_one_task_accuracy_matches_scipy_and_tasks_are_averaged():
+    rng = np.random.default_rng(3)
+    a, b = rng.random(300) < 0.62, rng.random(300) < 0.55
+    ours = accuracy_difference({"piqa": a.tolist()}, {"piqa": b.tolist()})
+    result = stats.bootstrap((a.astype(float), b.astype(float)), lambda x, y, axis: 100 * (x.mean(axis) - y.mean(axis)),
+                             paired=True, vectorized=True, n_resamples=20000, method="percentile",
+                             random_state=np.random.default_rng(4))
+    low, high = result.confidence_interval
+    assert ours.estimate == pytest.approx(100 * (a.mean() - b.mean()))
+    assert abs(ours.low - low) < 0.05 * (high - low) and abs(ours.high - high) < 0.05 * (high - low)
+    c, d = rng.random(50) < 0.5, rng.random(50) < 0.5
+    both = accuracy_difference({"piqa": a.tolist(), "boolq": c.tolist()}, {"piqa": b.tolist(), "boolq": d.tolist()})
+    assert both.estimate == pytest.approx(50 * ((a.mean() - b.mean()) + (c.mean() - d.mean())))
+    assert both.high - both.low > ours.high - ours.low  # the small task's noise widens the mean's interval
