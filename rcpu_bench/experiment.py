@@ -40,6 +40,9 @@ from rcpu_bench.records import Record, environment, library_versions
 from rcpu_bench.registry import Registry
 
 DEFAULT_CALIB = "tinystories:128x128"
+# Measurements a run may leave out of its record (the matrix key ``skip``): the perplexity on the calibration windows
+# (the λ rule's input, so λ-grid cells keep it), the inference speed, and the greedy text sample.
+SKIPPABLE = ("calibration-ppl", "speed", "sample")
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class Experiment:
     eval_batch_size: int = EVAL_BATCH_SIZE
     data_dir: str | None = None
     save_dir: str | None = None
+    skip: tuple[str, ...] = ()  # of SKIPPABLE
 
     def validate(self, registry: Registry, *, here: bool = True) -> None:
         """Every check before the model is loaded: names and ranges, the device, the model's files (a saved
@@ -69,6 +73,10 @@ class Experiment:
         name, not that it exists.
         """
         self.prune.validate(registry)
+        unknown = [item for item in self.skip if item not in SKIPPABLE]
+        if unknown:
+            raise ValueError(f"skip {', '.join(map(repr, unknown))}: not a measurement a run can leave out; allowed: "
+                             f"{', '.join(SKIPPABLE)}")
         for name in ("dtype", "device", "eval_batch_size"):
             experiment_options.BY_NAME[name].check(getattr(self, name))
         if here:
@@ -143,8 +151,9 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
                              experiment.calib, tokenizer, n, data_dir=experiment.data_dir))
     params_after = parameter_count(model)
     model.to(experiment.device)
-    calib_nll, calib_targets = perplexity.sequence_nll(model, list(calib.tokens), batch_size=experiment.eval_batch_size,
-                                                       desc="ppl calibration")
+    calib_nll, calib_targets = (perplexity.sequence_nll(model, list(calib.tokens),
+                                                        batch_size=experiment.eval_batch_size, desc="ppl calibration")
+                                if "calibration-ppl" not in experiment.skip else (None, None))
     ppl = [perplexity.perplexity(model, tokenizer, profile, batch_size=experiment.eval_batch_size,
                                  data_dir=experiment.data_dir) for profile in experiment.ppl_profiles]
     record = Record(
@@ -157,14 +166,14 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
                     "removed_fraction": 1 - params_after / params_before},
         perplexity=ppl,
         # On the calibration windows themselves: the paper's rule for choosing the ridge λ (appendix bestlam).
-        calibration_ppl=math.exp(calib_nll / calib_targets),
+        calibration_ppl=math.exp(calib_nll / calib_targets) if calib_targets else None,
         timing={"total_seconds": time.perf_counter() - started, "prune_seconds": report.seconds,
                 "layers": [{"layer": layer["layer"], **layer["seconds"]} for layer in report.layers]},
         layers=[{k: v for k, v in layer.items() if k != "seconds"} for layer in report.layers],
         peak_memory_bytes=report.peak_memory_bytes,
         # Inference speed beside the size, and greedy text to read before / after pruning.
-        inference=inference_speed(model),
-        sample=text_sample(model, tokenizer),
+        inference=inference_speed(model) if "speed" not in experiment.skip else None,
+        sample=text_sample(model, tokenizer) if "sample" not in experiment.skip else None,
         generalisation=diagnostics.summary(report.layers, holdout) if holdout else None,
         method_report=report.method_report,
     )

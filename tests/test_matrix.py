@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from registries import builtin_registry
+from registries import builtin_registry, with_plugins
 from tiny_matrices import tiny_raw, write_matrix
 from tiny_models import STORIES, needs_stories
 
@@ -173,7 +173,8 @@ def test_methods_are_checked_against_the_registry(methods, message):
 
 
 def test_every_shipped_matrix_validates_with_its_cell_count():
-    counts = {name: len(expand(load_matrix(name), REGISTRY)) for name in shipped_matrices()}
+    registry = with_plugins("rcpu_slicegpt.plugin")  # the real-model matrices list SliceGPT
+    counts = {name: len(expand(load_matrix(name), registry)) for name in shipped_matrices()}
     per_scorer = sum(13 if "lam" in c.params else 1 for c in REGISTRY.methods("compensator"))
     full = 1 + 3 * (len(REGISTRY.methods("scorer")) + len(REGISTRY.methods("selector"))) * per_scorer
     paper = 3 * 2 * 3 * (4 + 13) + 3  # 3 models × 2 N_calib × 3 ratios × (4 methods + 13 λ) + 3 dense
@@ -181,8 +182,12 @@ def test_every_shipped_matrix_validates_with_its_cell_count():
     # 3 selections × (4 compensators + 3 λ of ridge) × 4 allocations × 2 ratios × 2 N_calib, 2 depth methods × 2 × 2,
     # the dense model
     factorial = 3 * (4 + 3) * 4 * 2 * 2 + 2 * 2 * 2 + 1
+    # real models: 10 methods (ls-best: 3 λ) × 3 ratios + dense; at 20 % only; Gemma without SliceGPT; the
+    # allocations: 2 compensators × 4 allocations × 2 ratios + dense; quick: 5 methods + dense
+    real = {"real-smollm2": 12 * 3 + 1, "real-smollm2-tinystories": 12 + 1, "real-gemma3": 11 * 3 + 1,
+            "real-smollm2-allocation": 2 * 4 * 2 + 1, "quick": 6}
     assert counts == {"ablation": 12, "factorial": factorial, "full": full, "ncalib": ncalib, "paper": paper,
-                      "smoke": 46}
+                      "smoke": 46, **real}
 
 
 @needs_stories
@@ -235,7 +240,8 @@ def test_a_matrix_file_is_read_with_yaml_1_1_numbers_and_named_after_its_stem(tm
 
 
 def test_an_unknown_matrix_lists_the_shipped_ones():
-    shipped = "ablation, factorial, full, ncalib, paper, smoke"
+    shipped = ("ablation, factorial, full, ncalib, paper, quick, real-gemma3, real-smollm2, real-smollm2-allocation, "
+               "real-smollm2-tinystories, smoke")
     with pytest.raises(MatrixError, match=f"no matrix file or shipped matrix 'smok'; shipped: {shipped}"):
         load_matrix("smok")
 
@@ -306,7 +312,7 @@ def test_cell_field_roles_are_the_old_lists():
                                             "eval_batch_size"}
     assert set(matrix_cells.RUN_FIELDS) == {"model", "revision", "ratio", "n_calib", "seqlen", "calib", "lam", "prune",
                                      "dtype", "zeroshot_limit"}
-    assert matrix_cells.HASHED_WHEN_SET == {"zeroshot_limit": None}
+    assert matrix_cells.HASHED_WHEN_SET == {"zeroshot_limit": None, "skip": []}
 
 
 @pytest.mark.parametrize(("text", "key", "lines"), [

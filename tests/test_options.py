@@ -151,7 +151,7 @@ def test_the_matrix_schema_is_options_and_its_option_keys_are_the_declarations()
         assert keys[name] is experiment_options.BY_NAME[name]
     assert {key.name for key in TOP_KEYS if key.kind == "structure"} == {
         "name", "models", "methods", "ratios", "calib", "lambdas", "eval", "ppl_profiles", "include_dense", "prune",
-        "ablation"}
+        "ablation", "zeroshot_ratios", "skip"}
     assert [key.name for key in PRUNE_KEYS] == [o.name for o in OPTIONS if o.name != "ratio"]
     for key in PRUNE_KEYS:  # the declaration, read into the field's type first
         option = options.BY_NAME[key.name]

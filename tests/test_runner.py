@@ -241,7 +241,7 @@ def test_a_dry_run_lists_the_cells_without_running_them(capsys, tmp_path):
 
 @needs_stories
 @pytest.mark.parametrize("args, message", [
-    (["--matrix", "smok"], "shipped: ablation, factorial, full, ncalib, paper, smoke"),
+    (["--matrix", "smok"], "shipped: ablation, factorial, full, ncalib, paper, quick, real-gemma3"),
     (["--matrix", "smoke", "--set", "colour=red"], "unknown key 'colour'"),
     (["--matrix", "smoke", "--model", "/no/such/model"], "/no/such/model"),
     (["--matrix", "smoke", "--set", "calib.seqlen=100000", "--set", "calib.n_calib=[8]"], "seqlen 100000 exceeds"),

@@ -68,9 +68,9 @@ def copy_of_two_commands(tmp_path: Path) -> Path:
     return repo
 
 
-@pytest.mark.parametrize("leftover", [".venv/bin/python", "results/smoke/records.jsonl", ".ci/two-commands"])
+@pytest.mark.parametrize("leftover", [".venv/bin/python", "results/quick/records.jsonl", ".ci/two-commands"])
 def test_two_commands_here_refuses_a_checkout_that_is_not_a_fresh_clone(tmp_path, leftover):
-    """A left-over .venv or results/smoke (or a change to a tracked file) would let `make run` reuse what an earlier
+    """A left-over .venv or results/quick (or a change to a tracked file) would let `make run` reuse what an earlier
     run left: refused with the files named, before `make run`."""
     repo = copy_of_two_commands(tmp_path)
     (repo / leftover).parent.mkdir(parents=True, exist_ok=True)

@@ -134,6 +134,22 @@ def _shifted_labels(input_ids: Tensor, mask: Tensor) -> Tensor:
     return labels
 
 
+def profile_sequences(profile: str, tokenizer, seqlen: int, data_dir: Path | str | None = None) -> list[Tensor]:
+    """The token sequences ``profile`` scores (its window or story range), cut at ``seqlen`` tokens."""
+    chosen = get_profile(profile)
+    source = profile_source(profile, data_dir)
+    sequences = _DATASETS[chosen.dataset](source, tokenizer, seqlen)
+    if chosen.windows is not None:
+        start, stop = chosen.windows
+        if stop > len(sequences):
+            raise ValueError(f"profile {chosen.name!r}: {source.origin} gives only {len(sequences)} windows of "
+                             f"{seqlen} tokens; STOP must be at most {len(sequences)}")
+        sequences = sequences[start:stop]
+    if not sequences:
+        raise ValueError(f"profile {chosen.name!r}: {source.origin} gives no sequence of {seqlen} tokens")
+    return sequences
+
+
 def sequence_nlls(model: nn.Module, sequences: list[Tensor], *, batch_size: int = 8,
                   desc: str = "perplexity") -> list[float]:
     """Per sequence, in the order given: Σ_t −log p(x_t | x_<t) over its shifted targets, summed in float64.
@@ -185,16 +201,7 @@ def perplexity(model: nn.Module, tokenizer, profile: str = "rcpu128", *, batch_s
         raise ValueError(f"max_windows must be at least 1 or None, got {max_windows}")
     seqlen = min(chosen.seqlen, model.config.max_position_embeddings)
     source = profile_source(profile, data_dir)
-    sequences = _DATASETS[chosen.dataset](source, tokenizer, seqlen)
-    if chosen.windows is not None:
-        start, stop = chosen.windows
-        if stop > len(sequences):
-            raise ValueError(f"profile {chosen.name!r}: {source.origin} gives only {len(sequences)} windows of "
-                             f"{seqlen} tokens; STOP must be at most {len(sequences)}")
-        sequences = sequences[start:stop]
-    sequences = sequences[:max_windows]
-    if not sequences:
-        raise ValueError(f"profile {chosen.name!r}: {source.origin} gives no sequence of {seqlen} tokens")
+    sequences = profile_sequences(profile, tokenizer, seqlen, data_dir)[:max_windows]
     nlls = sequence_nlls(model, sequences, batch_size=batch_size, desc=f"ppl {chosen.name}")
     targets = [len(ids) - 1 for ids in sequences]
     nll_mean = math.fsum(nlls) / sum(targets)

@@ -70,6 +70,7 @@ class Cell:
     device: str = _role("execution")
     eval_batch_size: int = _role("execution", default=EVAL_BATCH_SIZE)
     zeroshot_limit: int | None = _role("run", unset=None, default=None)
+    skip: tuple[str, ...] = _role("request", unset=[], default=())  # measurements left out (Experiment.skip)
 
     @property
     def ratio(self) -> float:
@@ -95,7 +96,7 @@ class Cell:
     def experiment(self) -> Experiment:
         return Experiment(model=expand_shared(self.model), prune=self.prune_config(), calib=self.calib,
                           ppl_profiles=self.ppl_profiles, revision=self.revision, dtype=self.dtype, device=self.device,
-                          eval_batch_size=self.eval_batch_size)
+                          eval_batch_size=self.eval_batch_size, skip=tuple(self.skip))
 
     def method_name(self) -> str:
         """The method's label, with the compensated modules when not all of them (the ablation)."""

@@ -27,6 +27,8 @@ model (ratio 0) when ``include_dense`` is set. Every key in an example (their me
     device: cpu
     eval_batch_size: 8              # sequences per perplexity batch (does not change results)
     zeroshot_limit: null            # examples per zero-shot task, for quick runs (null: all)
+    zeroshot_ratios: null           # the ratios evaluated zero-shot (null: all; the dense model always is)
+    skip: [speed, sample]           # measurements left out: calibration-ppl (λ-grid cells keep it), speed, sample
     prune: {batch_size: 8}          # options for every method (a method's own options win)
     ablation: {compensate: [none, o_proj, down_proj, both]}
 
@@ -54,7 +56,8 @@ import yaml
 from rcpu_bench import experiment_options
 from rcpu_bench.compensation.compensators import LAMBDA_GRID
 from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
-from rcpu_bench.matrix.cells import SHARED, Cell
+from rcpu_bench.experiment import SKIPPABLE
+from rcpu_bench.matrix.cells import SHARED, Cell, derived
 from rcpu_bench.matrix.entries import (
     DENSE,
     CalibGrid,
@@ -79,6 +82,7 @@ from rcpu_bench.matrix.schema import (
     matrix_key,
     number,
     option_key,
+    optional,
     read_keys,
     text,
 )
@@ -138,6 +142,10 @@ TOP_KEYS = (
     matrix_key("include_dense", flag, "add one dense (original) cell per model", False),
     *(option_key(experiment_options.BY_NAME[name]) for name in ("dtype", "device", "eval_batch_size",
                                                                  "zeroshot_limit")),
+    matrix_key("zeroshot_ratios", optional(listed(_ratio)), "the ratios whose cells run the zero-shot evaluation "
+               "(null: every ratio; the dense model always runs it)", None),
+    matrix_key("skip", listed(choice(SKIPPABLE)), "measurements the cells leave out of their records: "
+               "calibration-ppl (λ-grid cells keep it: the λ rule reads it), speed, sample", ()),
     matrix_key("prune", read_prune, "options for every method (a method's own options win)", {}),
     matrix_key("ablation", lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
         "{compensate: [...]}: multiply the methods by the modules compensated", (), "none"),
@@ -166,6 +174,8 @@ class Matrix:
     device: str = DEFAULT_DEVICE
     eval_batch_size: int = EVAL_BATCH_SIZE  # sequences per perplexity batch; does not change the result
     zeroshot_limit: int | None = None  # examples per zero-shot task (None: all), for quick runs
+    zeroshot_ratios: tuple[float, ...] | None = None  # the ratios evaluated zero-shot (None: all of them)
+    skip: tuple[str, ...] = ()  # measurements the cells leave out (experiment.SKIPPABLE)
     prune: dict[str, Any] = field(default_factory=dict)  # options for every method
     compensate: tuple[str, ...] = ()  # ablation variants (COMPENSATE_VARIANTS keys); () = no ablation
 
@@ -303,14 +313,28 @@ def _over_lambdas(spec: MethodSpec, matrix: Matrix, where: str, registry: Regist
 def _cell(matrix: Matrix, model: ModelSpec, spec: MethodSpec, ratio: float, n_calib: int) -> Cell:
     prune = PruneConfig(**{**matrix.prune, **spec.fields, "ratio": ratio}).to_dict()
     recipe = recipe_of(prune)
+    evals = matrix.eval if _zeroshot_at(matrix, ratio) else tuple(e for e in matrix.eval if e != "zeroshot")
     return Cell(matrix=matrix.name, model=model.model, model_label=model.label, revision=model.revision,
                 method=recipe.key if recipe and spec.name is None else CUSTOM,
                 method_label=method_label(prune, spec.name), n_calib=n_calib,
                 seqlen=matrix.calib.seqlen, calib=matrix.calib.spec(n_calib),
                 prune=prune,
-                ppl_profiles=matrix.ppl_profiles if "ppl" in matrix.eval else (), eval=matrix.eval,
+                ppl_profiles=matrix.ppl_profiles if "ppl" in evals else (), eval=evals,
                 dtype=matrix.dtype, device=matrix.device, eval_batch_size=matrix.eval_batch_size,
-                zeroshot_limit=matrix.zeroshot_limit if "zeroshot" in matrix.eval else None)
+                zeroshot_limit=matrix.zeroshot_limit if "zeroshot" in evals else None,
+                skip=_skipped(matrix.skip, prune))
+
+
+def _zeroshot_at(matrix: Matrix, ratio: float) -> bool:
+    """Whether the cells at ``ratio`` run the matrix's zero-shot evaluation: every ratio unless ``zeroshot_ratios``
+    names some, and the dense model always (the reference of every ratio)."""
+    return matrix.zeroshot_ratios is None or ratio == 0 or ratio in matrix.zeroshot_ratios
+
+
+def _skipped(skip: tuple[str, ...], prune: dict[str, Any]) -> tuple[str, ...]:
+    """The measurements a cell leaves out: the matrix's, but a λ-grid cell keeps its calibration perplexity."""
+    lam = derived(prune, "lam")
+    return tuple(item for item in skip if not (item == "calibration-ppl" and lam is not None))
 
 
 def _dense(matrix: Matrix, model: ModelSpec) -> Cell:
