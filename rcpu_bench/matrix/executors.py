@@ -100,8 +100,9 @@ class ModelCache:
 
 
 def _check_finite(record: Record) -> None:
+    """FloatingPointError naming every perplexity of the record that is not finite (a skipped one is None)."""
     values = {"calibration": record.calibration_ppl, **{p["profile"]: p["ppl"] for p in record.perplexity}}
-    bad = {name: value for name, value in values.items() if not math.isfinite(value)}
+    bad = {name: value for name, value in values.items() if value is not None and not math.isfinite(value)}
     if bad:
         raise FloatingPointError(f"non-finite perplexity: {bad}")
 
