@@ -157,7 +157,8 @@ def _outcome(entry: dict[str, Any]) -> str:
         same = "identical" if entry["reproduced"]["identical"] else f"NOT identical: calibration {first} vs {again}"
         return f"zero-shot at λ_best of {len(entry['chosen_from'])} λ (re-pruned model {same})"
     ppl = [f"{p['profile']} {p['ppl']:.3f}" for p in record["perplexity"]]
-    return ", ".join([*ppl, f"calibration {record['calibration_ppl']:.3f}"])
+    calibration = record.get("calibration_ppl")  # None: skipped
+    return ", ".join([*ppl, *([f"calibration {calibration:.3f}"] if calibration is not None else [])])
 
 
 class Progress:
