@@ -7,7 +7,7 @@ windows, batches of 8 windows), on the CPU or a CUDA device:
 * **ours**: one pass with ``collect_input_stats`` collecting, per module, the cheapest statistics sufficient
   for the compensator by the pipeline's flop model (``rcpu_bench.statistics.flops``: G = Σ x xᵀ and/or
   C = Σ y xᵀ, ‖Y‖², ``--gram-precision``), then for o_proj and down_proj
-  ``rcpu_bench.pruning.pipeline.prune_module``: the registry's ``variance`` scorer
+  ``rcpu_bench.pruning.layer_pass.prune_module``: the registry's ``variance`` scorer
   (``activation='mean-abs'``, the official statistic), floor selection, the registry's compensator,
   surgery. The set collected and the rotation solver run are recorded per module.
 * **official** (docs/methods.md §7, the official code replayed independently): forward hooks store X and Y of
@@ -54,7 +54,8 @@ from transformers import LlamaForCausalLM
 
 from rcpu_bench.model import capture_layer_inputs, decoder_layers, layer_view, run_layer
 from rcpu_bench.plugins import default_registry
-from rcpu_bench.pruning.pipeline import PruneConfig, Timer, prune_module
+from rcpu_bench.pruning.layer_pass import Timer, prune_module
+from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.records import cpu_model, harness_commit
 from rcpu_bench.selection.select import Selection
 from rcpu_bench.statistics.activations import GRAM_PRECISIONS, collect_input_stats

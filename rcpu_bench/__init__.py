@@ -12,8 +12,8 @@ stays fast:
 - what a compensator returns: ``Compensation`` (built with ``Problem(weight, stats, kept).result(...)``);
 - selection: ``Selection``, ``select_by_score``;
 - the registry: ``Registry``, ``Method``, ``Resolved``, ``default_registry``;
-- a run and its record: ``Experiment``, ``run_experiment``, ``Record``, ``library_versions`` (for a model method's
-  saved manifest).
+- a run and its record: ``Experiment``, ``PruneConfig`` (how it prunes), ``run_experiment``, ``Record``,
+  ``library_versions`` (for a model method's saved manifest).
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ _HOMES = {
     "Compensation": "compensation.compensators", "Problem": "compensation.compensators",
     "Selection": "selection.select", "select_by_score": "selection.select",
     "Method": "registry", "Registry": "registry", "Resolved": "registry", "default_registry": "plugins",
-    "Experiment": "experiment", "run_experiment": "experiment",
+    "Experiment": "experiment", "run_experiment": "experiment", "PruneConfig": "pruning.options",
     "Record": "records", "library_versions": "records",
 }
 __all__ = ["ActivationStats", "Allocation", "Compensation", "Compensator", "Experiment", "LoadModel", "Method",
-           "ModelMethod", "Problem", "Record", "Register", "Registry", "Resolved", "SaveModel", "Scorer", "Selection",
-           "Selector", "collect_input_stats", "default_registry", "hookimpl", "library_versions", "run_experiment",
-           "select_by_score", "__version__"]
+           "ModelMethod", "Problem", "PruneConfig", "Record", "Register", "Registry", "Resolved", "SaveModel", "Scorer",
+           "Selection", "Selector", "collect_input_stats", "default_registry", "hookimpl", "library_versions",
+           "run_experiment", "select_by_score", "__version__"]
 
 if TYPE_CHECKING:
     from rcpu_bench.compensation.compensators import Compensation, Problem
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
         hookimpl,
     )
     from rcpu_bench.plugins import default_registry
+    from rcpu_bench.pruning.options import PruneConfig
     from rcpu_bench.records import Record, library_versions
     from rcpu_bench.registry import Method, Registry, Resolved
     from rcpu_bench.selection.select import Selection, select_by_score

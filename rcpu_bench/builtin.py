@@ -1,6 +1,6 @@
 """The built-in methods: a plugin like any other, registered in code by ``plugins.plugin_manager``."""
 
-from rcpu_bench.compensation import compensators, olica, slimllm
+from rcpu_bench.compensation import compensators, diagnostics, olica, slimllm
 from rcpu_bench.hookspecs import Register, hookimpl
 from rcpu_bench.pruning import allocation, depth, search
 from rcpu_bench.selection import obs, scorers
@@ -35,14 +35,16 @@ def register_allocations(register: Register) -> None:
 
 @hookimpl
 def register_compensators(register: Register) -> None:
-    register("none", compensators.none)
-    register("flap-bias", compensators.flap_bias)
-    register("ridge", compensators.ridge, needs="gram")
-    register("procrustes", compensators.procrustes, needs="output_cross")
-    register("scaled-procrustes", compensators.scaled_procrustes, needs="gram")
-    register("slimllm", slimllm.slimllm, needs="gram", description="SlimLLM's per-output-row affine least squares "
-             "y_i ≈ a_i ŷ_i + b_i: W̃_K = diag(a) W_K, bias b (SlimLLM, Guo et al. ICML 2025)")
-    register("olica", olica.olica, needs="gram", description="Olica's linear calibration on the kept inputs: "
+    register("none", compensators.none, dof=diagnostics.no_dof)
+    register("flap-bias", compensators.flap_bias, dof=diagnostics.bias_dof)
+    register("ridge", compensators.ridge, needs="gram", dof=diagnostics.ridge_dof)
+    register("procrustes", compensators.procrustes, needs="output_cross", dof=diagnostics.rotation_dof)
+    register("scaled-procrustes", compensators.scaled_procrustes, needs="gram", dof=diagnostics.scaled_rotation_dof)
+    register("slimllm", slimllm.slimllm, needs="gram", dof=diagnostics.affine_rows_dof, description="SlimLLM's "
+             "per-output-row affine least squares y_i ≈ a_i ŷ_i + b_i: W̃_K = diag(a) W_K, bias b (SlimLLM, Guo et al. "
+             "ICML 2025)")
+    register("olica", olica.olica, needs="gram", dof=diagnostics.low_rank_dof, description="Olica's linear "
+             "calibration on the kept inputs: "
              "W̃_K = W_K + Δ_r, the rank-r ridge least squares of the pruned error W_D X_D on X_K (Olica, He & Lin "
              "ICML 2025)")
 

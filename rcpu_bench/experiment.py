@@ -31,7 +31,8 @@ from rcpu_bench.model.loading import (
     model_source,
     parameter_count,
 )
-from rcpu_bench.model.persistence import check_saved_model, save_pruned
+from rcpu_bench.model.manifest import check_saved_model
+from rcpu_bench.model.persistence import save_pruned
 from rcpu_bench.paths import check_new_dir, default_model
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.options import selection_units
@@ -145,6 +146,12 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     holdout_ids = (data.holdout_windows(experiment.calib, tokenizer, holdout, data_dir=experiment.data_dir)
                    if holdout else None)
     params_before = parameter_count(model)
+    # A saved model's card shows its perplexity beside the dense model's, measured here before pruning (not with
+    # --offload: the dense model then does not fit the device whole).
+    with_dense = experiment.save_dir and not experiment.prune.offload
+    dense_ppl = [_summary(perplexity.perplexity(model, tokenizer, profile, batch_size=experiment.eval_batch_size,
+                                                data_dir=experiment.data_dir))
+                 for profile in experiment.ppl_profiles] if with_dense else None
     report = prune_model(model, calib.tokens, experiment.prune, registry=registry, device=experiment.device,
                          progress=progress, holdout_ids=holdout_ids, reuse_capture=reuse_capture,
                          validated=True, holdout_source=lambda n: data.holdout_windows(
@@ -176,6 +183,7 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         sample=text_sample(model, tokenizer) if "sample" not in experiment.skip else None,
         generalisation=diagnostics.summary(report.layers, holdout) if holdout else None,
         method_report=report.method_report,
+        dense_perplexity=dense_ppl,
     )
     if evaluate:
         record.add(evaluate(model, tokenizer))
@@ -188,3 +196,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         save_pruned(model, experiment.save_dir, tokenizer=tokenizer, method=experiment.prune.to_dict(),
                     provenance=loaded.provenance, record=record.to_json())
     return record
+
+
+def _summary(entry: dict[str, Any]) -> dict[str, Any]:
+    """A perplexity entry without its per-window values."""
+    return {key: value for key, value in entry.items() if key not in ("window_nll", "window_targets")}

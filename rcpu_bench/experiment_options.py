@@ -1,5 +1,5 @@
 """The experiment-level options (model revision, dtype, device, evaluation batch size, ...), each declared once as an
-:class:`rcpu_bench.options.Option`, the mechanism of the pruning options.
+:class:`rcpu_bench.declaration.Option`, the mechanism of the pruning options.
 
 From the declaration come the flags of the commands that take them (:func:`add_arguments`: one default and one help
 everywhere), the matrix keys and their checks (:func:`rcpu_bench.matrix.schema.option_key`) and the README's
@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 
+from rcpu_bench.declaration import Option, add_argument
+from rcpu_bench.declaration import markdown_table as options_table
 from rcpu_bench.evaluation import EVAL_BATCH_SIZE
 from rcpu_bench.model.loading import DEFAULT_DEVICE, DEFAULT_DTYPE, DTYPES, resolve_device, resolve_dtype
-from rcpu_bench.options import Option, add_argument
-from rcpu_bench.options import markdown_table as options_table
 
 OPTIONS: tuple[Option, ...] = (
     Option("revision", "text", None, "hub revision (branch, tag or commit) to pin; recorded"),

@@ -8,7 +8,7 @@ is the matching entry (``ScorerEntry``, ``SelectorEntry``, ...), which checks pa
 
 Allocation: a *profile* gives per-layer ratios from the layer count alone; an allocation that must see the model (a
 search over per-layer levels) returns instead a ``ModelAllocation``, which the pipeline calls once, before any layer
-is pruned, with an ``AllocationTask`` (``rcpu_bench.pruning.pipeline``).
+is pruned, with an ``AllocationContext`` (the pipeline's ``rcpu_bench.pruning.allocation_pass.AllocationTask``).
 
 Selection: a *selector* chooses a module's kept and pruned units jointly (OBS); a *scorer* is its common case,
 a score per column, whose units with the lowest summed score are pruned. The run's ``scorer`` option names either.
@@ -23,17 +23,16 @@ statistic the method reads: "moments" (N, Σx, Σ|x|, Σx², and ‖Y‖² when 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 import pluggy
 
 if TYPE_CHECKING:
-    from torch import Tensor, dtype, nn
+    from torch import Tensor, device, dtype, nn
 
     from rcpu_bench.compensation.compensators import Compensation
-    from rcpu_bench.pruning.pipeline import AllocationTask
     from rcpu_bench.selection.select import Selection, UnitMap
     from rcpu_bench.statistics.activations import ActivationStats
 
@@ -70,15 +69,38 @@ class Allocation(Protocol):
     def __call__(self, n_layers: int, ratio: float, /) -> Tensor | ModelAllocation: ...
 
 
+class AllocationContext(Protocol):
+    """What a ``ModelAllocation`` is handed: the dense model, the run's calibration windows (n × seqlen token ids),
+    its options (a ``PruneConfig``) and resolved methods, the device, and three helpers: held-out windows disjoint
+    from the calibration ones, each decoder layer with the statistics the run's scorer and compensator read, and one
+    module of one layer pruned in place by the run's own methods (returning its diagnostics)."""
+
+    model: nn.Module
+    calib_ids: Tensor
+    config: Any
+    methods: Any
+    device: device
+    progress: bool
+
+    @property
+    def modules(self) -> list[str]: ...
+
+    def holdout(self, n_windows: int, /) -> Tensor: ...
+
+    def dense_layers(self) -> Iterator[tuple[int, Any, dict[str, ActivationStats]]]: ...
+
+    def prune(self, view: Any, module: str, stats: ActivationStats, n_prune: int, /) -> dict[str, Any]: ...
+
+
 class ModelAllocation(Protocol):
     """Units pruned per layer and module, chosen on the dense model before any layer is pruned.
 
-    Called once with the run's ``AllocationTask``; returns ``(counts, report)``: per decoder layer, {module: units to
+    Called once with the run's ``AllocationContext``; returns ``(counts, report)``: per decoder layer, {module: units to
     prune} for each pruned module, and a strict-JSON report that the record keeps as ``method_report["allocation"]``.
     The model must be left as it was handed over (dense).
     """
 
-    def __call__(self, task: AllocationTask, /) -> tuple[list[dict[str, int]], dict[str, Any]]: ...
+    def __call__(self, task: AllocationContext, /) -> tuple[list[dict[str, int]], dict[str, Any]]: ...
 
 
 class Compensator(Protocol):
@@ -110,7 +132,8 @@ class Register(Protocol):
 
     def __call__(self, name: str, fn: Scorer | Selector | Compensator | ModelMethod | Allocation, *,
                  needs: Needs = "moments", description: str | None = None, save: SaveModel | None = None,
-                 load: LoadModel | None = None, check: Callable[[nn.Module], None] | None = None) -> None: ...
+                 load: LoadModel | None = None, check: Callable[[nn.Module], None] | None = None,
+                 dof: Callable[[Tensor, ActivationStats, Tensor, Compensation], float] | None = None) -> None: ...
 
 
 # --- what the harness looks up (registry entries) --------------------------------------------------
@@ -134,8 +157,9 @@ class Entry(Protocol):
     def check_params(self, params: Mapping[str, Any]) -> None:
         """Raise ValueError naming unknown parameters and the allowed ones."""
 
-    def validate(self, params: Mapping[str, Any]) -> None:
-        """Check parameter names, then values by a trial run that builds only the declared statistics."""
+    def validate(self, params: Mapping[str, Any], *, group_size: int = 1) -> None:
+        """Check parameter names, then values by a trial run that builds only the declared statistics (a selector's
+        trial units in groups of ``group_size``)."""
 
 
 class ScorerEntry(Entry, Protocol):
@@ -152,6 +176,9 @@ class AllocationEntry(Entry, Protocol):
 
 
 class CompensatorEntry(Entry, Protocol):
+    @property
+    def dof(self) -> Callable[[Tensor, ActivationStats, Tensor, Compensation], float] | None: ...
+
     def __call__(self, weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, /,
                  **params: Any) -> Compensation: ...
 
@@ -185,7 +212,12 @@ def register_allocations(register: Register) -> None:
 
 @hookspec
 def register_compensators(register: Register) -> None:
-    """Register compensators: ``register("name", fn, needs=..., description=...)``."""
+    """Register compensators: ``register("name", fn, needs=..., description=..., dof=...)``.
+
+    ``dof(weight, stats, kept, compensation)`` (optional) is the compensator's degrees of freedom: how many numbers
+    its update fits (ridge's effective d_out·Σσ²/(σ²+λ), a rotation's d_out(d_out−1)/2, ...), recorded beside the
+    calibration and held-out errors of a run with ``holdout`` > 0 (None when not declared).
+    """
 
 
 @hookspec

@@ -60,6 +60,7 @@ class Record:
     generalisation: dict[str, Any] | None = None  # rcpu_bench.compensation.diagnostics.summary (--holdout)
     method_report: dict[str, Any] | None = None  # a whole-model method's own report
     zeroshot: dict[str, Any] | None = None  # rcpu_bench.evaluation.zeroshot.evaluate_zeroshot (a matrix's eval)
+    dense_perplexity: list[dict[str, Any]] | None = None  # the unpruned model's, when the run saves the model
     extra: dict[str, Any] = field(default_factory=dict)  # further fields a caller added
     schema_version: int = SCHEMA_VERSION
 

@@ -18,11 +18,8 @@ from types import MappingProxyType
 from typing import Any
 
 import pluggy
-import torch
 
-from rcpu_bench import hookspecs, strict_json
-from rcpu_bench.compensation.rotation import tolerance as orthogonality_tolerance
-from rcpu_bench.finite import count_non_finite
+from rcpu_bench import hookspecs
 from rcpu_bench.hookspecs import (
     NEEDS,
     AllocationEntry,
@@ -33,8 +30,7 @@ from rcpu_bench.hookspecs import (
     ScorerEntry,
     SelectorEntry,
 )
-from rcpu_bench.selection.select import UnitMap
-from rcpu_bench.statistics.activations import ActivationStats
+from rcpu_bench.plugin_contract import CHECKS, trial_problem
 
 KINDS: tuple[Kind, ...] = ("scorer", "selector", "compensator", "model-method", "allocation")
 _HOOKS: dict[Kind, str] = {"scorer": "register_scorers", "selector": "register_selectors",
@@ -71,6 +67,7 @@ class Method:
     save: Callable[..., Any] | None = None  # model methods: save(model, directory, *, tokenizer, report)
     load: Callable[..., Any] | None = None  # model methods: load(directory, *, dtype, device) -> LoadedModel
     check: Callable[..., Any] | None = None  # model methods: check(skeleton) raises ValueError when it cannot prune it
+    dof: Callable[..., Any] | None = None  # compensators: dof(weight, stats, kept, compensation) -> degrees of freedom
     # Parameter sets whose trial run passed (repr of the sorted items): a matrix validates each set once, not per cell.
     _accepted: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
@@ -100,7 +97,7 @@ class Method:
         if self.kind == "model-method" or key in self._accepted:  # model methods: no cheap trial problem exists
             return
         try:
-            self(*_trial_problem(self.kind, self.needs, group_size), **params)
+            self(*trial_problem(self.kind, self.needs, group_size), **params)
         except PluginContractError:
             raise
         except Exception as error:
@@ -117,7 +114,7 @@ class Method:
 
     def _succeeds_with_gram(self, params: Mapping[str, Any]) -> bool:
         try:
-            self(*_trial_problem(self.kind, "gram"), **params)
+            self(*trial_problem(self.kind, "gram"), **params)
         except Exception:  # noqa: BLE001 (any failure of the trial means: not without G)
             return False
         return True
@@ -126,7 +123,7 @@ class Method:
         """Run the method and check its result against the contract (shapes, finiteness, report type)."""
         self.check_params(params)
         result = self.fn(*args, **params)
-        problem = _CHECKS[self.kind](result, *args)
+        problem = CHECKS[self.kind](result, *args)
         if problem:
             raise PluginContractError(f"{self.kind} {self.name!r} from {self.provider} {problem}")
         return result
@@ -144,111 +141,6 @@ def _parses_as_number(text: str) -> bool:
     return True
 
 
-def _trial_problem(kind: Kind, needs: Needs, group_size: int = 1) -> tuple[Any, ...]:
-    """W (3 × 4) and the statistics of 32 random tokens; compensators also get K = {0, 2}, pruned {1, 3}, selectors
-    units of 2 columns (in groups of ``group_size``) and one to prune; allocations get 4 layers and ratio 0.2.
-
-    The statistics are the least that the declared need allows: moments and ‖Y‖², plus S and C_D over the
-    pruned columns for "output_cross", C alone for "cross", G alone for "gram"."""
-    if kind == "allocation":
-        return (4, 0.2)
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(3, 4, generator=generator)
-    x = torch.randn(32, 4, generator=generator, dtype=torch.float64)
-    kept, pruned = torch.tensor([0, 2]), torch.tensor([1, 3])
-    stats = ActivationStats.from_activations(x, with_gram=needs == "gram", outputs=x @ weight.double().T,
-                                             with_cross=needs == "cross",
-                                             dropped=pruned if needs == "output_cross" else None)
-    extra = {"compensator": (kept, pruned), "selector": (UnitMap(2, group_size=group_size), 1)}
-    return (weight, stats, *extra.get(kind, ()))
-
-
-def _check_scores(scores: Any, weight: torch.Tensor, *_: Any) -> str | None:
-    if not isinstance(scores, torch.Tensor) or scores.shape != (weight.shape[1],):
-        return f"returned {_describe(scores)}, expected a tensor of shape ({weight.shape[1]},)"
-    if not torch.isfinite(scores).all():
-        return "returned NaN or infinite scores"
-    return None
-
-
-def _check_selection(selection: Any, weight: torch.Tensor, _stats: Any, units: UnitMap, n_prune: int) -> str | None:
-    if not (isinstance(getattr(selection, "kept", None), torch.Tensor)
-            and isinstance(getattr(selection, "pruned", None), torch.Tensor)):
-        return f"returned {_describe(selection)}, expected a Selection"
-    n_units = weight.shape[1] // units.unit_size
-    together = torch.cat([selection.kept, selection.pruned]).cpu().sort().values
-    if len(selection.pruned) != n_prune or not torch.equal(together, torch.arange(n_units)):
-        return (f"returned kept {selection.kept.tolist()} and pruned {selection.pruned.tolist()}; expected {n_prune} "
-                f"pruned and the rest kept, a partition of the {n_units} units")
-    return None
-
-
-def _check_allocation(ratios: Any, n_layers: int, ratio: float) -> str | None:
-    if callable(ratios):  # a hookspecs.ModelAllocation: the pipeline checks what it returns
-        return None
-    if not isinstance(ratios, torch.Tensor) or ratios.shape != (n_layers,):
-        return f"returned {_describe(ratios)}, expected a tensor of shape ({n_layers},)"
-    if not (torch.isfinite(ratios).all() and (ratios >= 0).all() and (ratios < 1).all()):
-        return f"returned ratios {ratios.tolist()} outside [0, 1)"
-    if abs(float(ratios.double().mean()) - ratio) > 1e-9:
-        return f"returned ratios of mean {float(ratios.double().mean())!r}, expected the target {ratio!r}"
-    return None
-
-
-def _check_compensation(result: Any, weight: torch.Tensor, _stats: Any, kept: torch.Tensor, *_: Any) -> str | None:
-    expected = (weight.shape[0], len(kept))
-    if not hasattr(result, "weight") or not isinstance(result.weight, torch.Tensor):
-        return f"returned {_describe(result)}, expected a Compensation"
-    if tuple(result.weight.shape) != expected:
-        return f"returned a weight of shape {tuple(result.weight.shape)}, expected {expected}"
-    if result.bias is not None and tuple(result.bias.shape) != (weight.shape[0],):
-        return f"returned a bias of shape {tuple(result.bias.shape)}, expected ({weight.shape[0]},)"
-    if count_non_finite(result.weight) or (result.bias is not None and count_non_finite(result.bias)):
-        return "returned NaN or infinite weights"
-    info = getattr(result, "info", {})
-    if not isinstance(info, dict) or (bad := strict_json.problem(info, "info")):
-        return f"returned {'info' if isinstance(info, dict) else _describe(info)} that cannot be recorded: " + (
-            bad if isinstance(info, dict) else f"expected a dict of {strict_json.ALLOWED}")
-    return _check_orthogonality(info, weight.shape[0], result.weight.dtype)
-
-
-def _check_orthogonality(info: dict[str, Any], d_out: int, weight_dtype: torch.dtype) -> str | None:
-    """A reported info["orthogonality_error"] declares Q (d_out × d_out) orthogonal: it must be within
-    ``rcpu_bench.compensation.rotation.tolerance(d_out, dtype)``, dtype = info["compute_dtype"] or the weight's, unless
-    info["orthogonality_unchecked"] states why not (an explicit opt-out, kept in the record)."""
-    error = info.get("orthogonality_error")
-    if error is None:
-        return None
-    unchecked = info.get("orthogonality_unchecked")
-    if unchecked is not None:
-        return None if isinstance(unchecked, str) and unchecked else (
-            f"set orthogonality_unchecked={unchecked!r}; it must be a non-empty string saying why")
-    name = info.get("compute_dtype")
-    dtype = weight_dtype if name is None else getattr(torch, name, None) if isinstance(name, str) else None
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        return f"declared compute_dtype={name!r}; expected a floating torch dtype name such as 'float32'"
-    tol = orthogonality_tolerance(d_out, dtype)
-    if not error <= tol:
-        return f"declared an orthogonal update but ‖QᵀQ − I‖_F = {error:.3g} > {tol:.3g} (n={d_out}, {dtype})"
-    return None
-
-
-def _check_report(report: Any, model: torch.nn.Module, *_: Any) -> str | None:
-    if not isinstance(report, dict):
-        return f"returned {_describe(report)}, expected a report dict"
-    bad = strict_json.problem(report, "report")
-    return None if bad is None else f"returned a report that cannot be recorded: {bad}"
-
-
-_CHECKS: dict[str, Callable[..., str | None]] = {"scorer": _check_scores, "selector": _check_selection,
-                                                 "compensator": _check_compensation, "model-method": _check_report,
-                                                 "allocation": _check_allocation}
-
-
-def _describe(obj: Any) -> str:
-    return f"a tensor of shape {tuple(obj.shape)}" if isinstance(obj, torch.Tensor) else type(obj).__name__
-
-
 def _parameters(fn: Callable[..., Any]) -> dict[str, Any]:
     """Keyword-only parameters with their defaults."""
     return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
@@ -256,14 +148,18 @@ def _parameters(fn: Callable[..., Any]) -> dict[str, Any]:
 
 def make_method(kind: Kind, name: str, fn: Callable[..., Any], provider: str, *, needs: str = "moments",
                 description: str | None = None, save: Callable[..., Any] | None = None,
-                load: Callable[..., Any] | None = None, check: Callable[..., Any] | None = None) -> Method:
-    """What ``register(name, fn, ...)`` declares, checked (needs; save, load and check only for model methods)."""
+                load: Callable[..., Any] | None = None, check: Callable[..., Any] | None = None,
+                dof: Callable[..., Any] | None = None) -> Method:
+    """What ``register(name, fn, ...)`` declares, checked (needs; save, load and check only for model methods, dof
+    only for compensators)."""
     if needs not in NEEDS:
         raise ValueError(f"{kind} {name!r} from {provider}: needs={needs!r}; allowed: {', '.join(NEEDS)}")
     if (save or load or check) and kind != "model-method":
         raise ValueError(f"{kind} {name!r} from {provider}: only model methods take save=, load= and check=")
+    if dof is not None and kind != "compensator":
+        raise ValueError(f"{kind} {name!r} from {provider}: only compensators take dof=")
     summary = description or (inspect.getdoc(fn) or "").split("\n")[0]
-    return Method(kind, name, fn, provider, needs, summary, _parameters(fn), save, load, check)
+    return Method(kind, name, fn, provider, needs, summary, _parameters(fn), save, load, check, dof)
 
 
 @dataclass(frozen=True)

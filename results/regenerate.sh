@@ -16,8 +16,29 @@ rcpu-bench plots --results "$out" --out-dir "$out/plots"
 # Zero-shot accuracy (all seven tasks, 300 examples each) of stories260K dense and pruned by 20 %.
 rcpu-bench run --matrix results/zeroshot/matrix.yaml --results results/zeroshot --quiet
 rcpu-bench tables --results results/zeroshot --table zeroshot --out results/zeroshot/tables.md
+# The calibration-size sweep with held-out reconstruction errors (generalisation tables and figures).
+rcpu-bench run --matrix results/ncalib/matrix.yaml --results results/ncalib --quiet
+rcpu-bench tables --results results/ncalib --table generalisation --out results/ncalib/generalisation.md
+rcpu-bench tables --results results/ncalib --table ppl --profile "tinystories[500:530]" --out results/ncalib/tables.md
+rcpu-bench plots --results results/ncalib --profile "tinystories[500:530]" --out-dir results/ncalib/plots
 # The factorial experiment: selection × compensation × allocation (+ depth baselines), main effects.
 rcpu-bench run --matrix factorial --results results/factorial --quiet
 rcpu-bench tables --results results/factorial --table main-effects --out results/factorial/main-effects.md
 rcpu-bench tables --results results/factorial --table ppl-other --out results/factorial/tables.md
 rcpu-bench plots --results results/factorial --out-dir results/factorial/plots
+# Real models (the [models] extra; the first use converts each GGUF once): SmolLM2-135M (the paper's comparison, its
+# allocations, a TinyStories-calibrated companion) and Gemma-3-270M; every table (the ranking with paired bootstrap
+# intervals among them) on each perplexity profile, and the figures.
+rcpu-bench run --matrix real-smollm2 --results results/real/smollm2 --quiet
+rcpu-bench run --matrix real-smollm2-allocation --results results/real/smollm2 --quiet
+rcpu-bench run --matrix real-smollm2-tinystories --results results/real/smollm2-tinystories --quiet
+rcpu-bench run --matrix real-gemma3 --results results/real/gemma3 --quiet
+for store in smollm2 smollm2-tinystories gemma3; do
+  wikitext="rcpu128[0:256]"
+  stories="tinystories[500:600]"
+  [ "$store" = gemma3 ] && wikitext="rcpu128-bos[0:128]" && stories="tinystories[500:550]"
+  rcpu-bench tables --results "results/real/$store" --table all --profile "$wikitext" --out "results/real/$store/tables.md"
+  rcpu-bench tables --results "results/real/$store" --table all --profile "$stories" \
+      --out "results/real/$store/tables-tinystories.md"
+  rcpu-bench plots --results "results/real/$store" --profile "$wikitext" --out-dir "results/real/$store/plots"
+done

@@ -323,3 +323,17 @@ def test_bos_windows_are_the_bos_and_seqlen_minus_one_stream_tokens(tok, tmp_pat
     assert str(parse_calib(f"file:{corpus}:16x64:seed=5:bos")) == f"file:{corpus}:16x64:seed=5:bos"
     held = holdout_windows(f"file:{corpus}:16x64:seed=5:bos", tok, 3)
     assert held.shape == (3, 64) and torch.equal(held[:, 0], torch.full((3,), tok.bos_token_id))
+
+
+@needs_shared
+def test_wikitext2_valid_is_the_validation_file_joined_as_the_train_split(tok):
+    path = paths.data_dir() / "wikitext-2-v1" / "wiki.valid.tokens"
+    rows = [row if row.strip() else "" for row in path.read_text(encoding="utf-8").splitlines(keepends=True)]
+    got = calibration_data("wikitext2-valid:6x32:seed=3", tok)
+    ids = tok(" ".join(rows), return_tensors="pt").input_ids
+    assert torch.equal(got.tokens, reference_windows(ids, 6, 32, 3))
+    assert (got.provenance.source, got.provenance.split, got.provenance.n_tokens) == (
+        "wikitext2-valid", "validation (v1 tokens)", ids.shape[1])
+    assert got.provenance.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(FileNotFoundError, match="wiki.valid.tokens does not exist"):
+        calibration_data("wikitext2-valid:6x32", tok, data_dir=path.parent.parent.parent)

@@ -11,13 +11,14 @@ from hypothesis import strategies as st
 
 from rcpu_bench.compensation import compensators
 from rcpu_bench.compensation.diagnostics import (
-    degrees_of_freedom,
+    low_rank_dof,
     module_generalisation,
     relative_error,
     ridge_degrees_of_freedom,
     rotation_degrees_of_freedom,
     summary,
 )
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.statistics.activations import ActivationStats
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -101,7 +102,8 @@ def test_calibration_errors_order_least_squares_scaled_rotation_rotation_none(pr
         if name == "scaled-procrustes" and not float(((w[:, kept] @ x[:, kept].T) ** 2).sum()) > 0:
             continue
         result = fn(w, cal, kept, pruned, **params)
-        errors[name] = module_generalisation(w, cal, stats_of(held), kept, name, result)
+        errors[name] = module_generalisation(w, cal, stats_of(held), kept, result,
+                                             default_registry().compensator(name).dof)
         assert errors[name]["calibration_error"] == pytest.approx(explicit_error(w, x, kept, result.weight), rel=1e-7,
                                                                   abs=1e-10)
         assert errors[name]["holdout_error"] == pytest.approx(explicit_error(w, held, kept, result.weight), rel=1e-7,
@@ -113,12 +115,23 @@ def test_calibration_errors_order_least_squares_scaled_rotation_rotation_none(pr
     assert errors["procrustes"]["degrees_of_freedom"] == w.shape[0] * (w.shape[0] - 1) // 2
 
 
-def test_degrees_of_freedom_of_a_compensator_without_a_rule_is_none():
+def test_each_compensator_declares_its_degrees_of_freedom_and_an_undeclared_one_records_none():
     w, kept = torch.randn(3, 4, dtype=torch.float64), torch.tensor([0, 2])
     stats = stats_of(torch.randn(10, 4, dtype=torch.float64))
     result = compensators.none(w, stats, kept, torch.tensor([1, 3]))
-    assert degrees_of_freedom("my-plugin", w, stats, kept, result) is None
-    assert degrees_of_freedom("flap-bias", w, stats, kept, result) == 3
+    assert module_generalisation(w, stats, stats, kept, result, None)["degrees_of_freedom"] is None
+    registry = default_registry()
+    declared = {name: registry.compensator(name).dof(w, stats, kept, result)
+                for name in ("none", "flap-bias", "slimllm", "procrustes", "scaled-procrustes")}
+    assert declared == {"none": 0, "flap-bias": 3, "slimllm": 6, "procrustes": 3, "scaled-procrustes": 4}
+    # A rank-r update of a d_out × k matrix: rank-r matrices form a manifold of dimension r(d_out + k − r); brute
+    # force: the rank of the Jacobian of (A, B) ↦ A Bᵀ at a random point.
+    d_out, k, r = 3, 2, 1
+    a, b = torch.randn(d_out, r, dtype=torch.float64), torch.randn(k, r, dtype=torch.float64)
+    jacobian = torch.autograd.functional.jacobian(lambda a, b: (a @ b.T).flatten(), (a, b))
+    dimension = torch.linalg.matrix_rank(torch.cat([j.reshape(d_out * k, -1) for j in jacobian], dim=1))
+    olica_like = compensators.Compensation(w[:, kept], None, {"rank": r})
+    assert low_rank_dof(w, stats, kept, olica_like) == dimension
 
 
 def test_zero_output_is_refused_with_a_clear_error():

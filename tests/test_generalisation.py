@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM
 
 from rcpu_bench import cli, data
 from rcpu_bench.matrix.spec import Cell
-from rcpu_bench.matrix.store import StoredResult
+from rcpu_bench.matrix.store import Entry, StoredResult
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 from rcpu_bench.tables import generalisation
@@ -157,13 +157,13 @@ def entry(label: str, n_calib: int, lam: float | None, calib_ppl: float, held: f
     compensator = "ridge" if lam is not None else "procrustes"
     prune = {**PruneConfig(ratio=0.2, compensator=compensator,
                            compensator_params={} if lam is None else {"lam": lam}).to_dict(), "holdout": 4}
-    return StoredResult.from_entry({"cell_id": f"{label}{n_calib}{lam}", "status": "ok",
+    return StoredResult.from_entry(Entry.from_json({"cell_id": f"{label}{n_calib}{lam}", "status": "ok",
             "cell": {"model_label": "m", "method_label": label, "n_calib": n_calib,
                      "model": "m", "calib": f"c:{n_calib}", "prune": prune},
             "record": {"experiment": {"prune": prune}, "calibration_ppl": calib_ppl, "parameters": {"before": 10},
                        "perplexity": [], "timing": {}, "peak_memory_bytes": 0,
                        "generalisation": {"holdout_windows": 4, "layers": layers, "calibration_error_mean": held / 2,
-                                          "holdout_error_mean": held, "degrees_of_freedom_total": 2 * dof}}})
+                                          "holdout_error_mean": held, "degrees_of_freedom_total": 2 * dof}}}))
 
 
 def test_tables_choose_lambda_by_each_rule_and_figures_are_written(tmp_path):

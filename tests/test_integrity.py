@@ -21,8 +21,9 @@ from tiny_models import STORIES, STORIES_MHA, apply_plan, needs_stories, random_
 
 from rcpu_bench import atomic_file, records
 from rcpu_bench.atomic_file import write_atomically, write_file_atomically
-from rcpu_bench.model import loading, persistence
-from rcpu_bench.model.persistence import MANIFEST, load_pruned, pruned_directory, save_pruned
+from rcpu_bench.model import loading, manifest, persistence
+from rcpu_bench.model.manifest import MANIFEST, pruned_directory
+from rcpu_bench.model.persistence import load_pruned, save_pruned
 
 COMMANDS = {"prune": ["prune", *QUICK], "generate": ["generate", "--prompt", "Once", "--max-new-tokens", "2"],
             "speed": ["speed"], "eval": ["eval", "--tasks", "piqa", "--limit", "2"]}
@@ -104,7 +105,7 @@ def test_a_saved_directory_without_its_manifest_is_refused_by_any_of_its_marks(s
 
 @needs_stories
 def test_a_format_3_directory_loads_with_a_warning_that_its_config_is_not_verified(saved, caplog):
-    persistence.warn_once.cache_clear()
+    manifest.warn_once.cache_clear()
     edit_json(saved / MANIFEST, lambda m: (m.update(format_version=3), m["sha256"].pop("config.json")))
     assert load_pruned(saved).model is not None
     (line,) = [r.message for r in caplog.records if "is not verified" in r.message]
@@ -399,6 +400,7 @@ def test_resume_notices_changed_evaluation_data(tmp_path, monkeypatch):
 
     from rcpu_bench.matrix.fingerprints import Fingerprints, changes
     from rcpu_bench.matrix.spec import expand
+    from rcpu_bench.matrix.store import Entry
     from rcpu_bench.plugins import default_registry
 
     stories = tmp_path / "data" / "tinystories" / "validation_first1000.jsonl"
@@ -409,7 +411,7 @@ def test_resume_notices_changed_evaluation_data(tmp_path, monkeypatch):
     corpus.write_text("Once upon a time there was a cat. " * 200)
     matrix = tiny_matrix(["wanda-sp"], calib={"source": f"file:{corpus}", "n_calib": [4], "seqlen": 32})
     cell = expand(matrix, default_registry())[0]
-    stored = {"fingerprint": Fingerprints().of(cell)}
+    stored = Entry(cell_id="c", cell={}, status="ok", fingerprint=Fingerprints().of(cell))
     lines = stories.read_text().splitlines()
     row = json.loads(lines[905])
     lines[905] = json.dumps({**row, "text": row["text"] + " The end."})  # a story the profile evaluates on

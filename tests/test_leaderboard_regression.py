@@ -34,10 +34,10 @@ def test_smoke_cells_reproduce_the_committed_leaderboard():
     assert {(c.prune["scorer"], c.prune["compensator"]) for c in cells} == CHECKED  # and the dense cell
     models = ModelCache()
     for cell in cells:
-        expected = stored[cell.id]["record"]
+        expected = stored[cell.id].record
         entry = run_cell(cell, default_registry(), models)
-        assert entry["status"] == "ok", entry["error"]
-        got = {p["profile"]: p["ppl"] for p in entry["record"]["perplexity"]}
+        assert entry.status == "ok", entry.error
+        got = {p["profile"]: p["ppl"] for p in entry.record["perplexity"]}
         for p in expected["perplexity"]:
             assert math.isclose(got[p["profile"]], p["ppl"], rel_tol=1e-6), (cell.describe(), p["profile"])
-        assert math.isclose(entry["record"]["calibration_ppl"], expected["calibration_ppl"], rel_tol=1e-6)
+        assert math.isclose(entry.record["calibration_ppl"], expected["calibration_ppl"], rel_tol=1e-6)

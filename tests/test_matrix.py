@@ -63,6 +63,26 @@ def test_cells_are_models_by_calibration_sizes_by_methods_by_ratios_with_one_cel
     assert len({c.id for c in cells}) == len(cells)
 
 
+def test_skip_and_zeroshot_ratios_shape_what_each_cell_measures():
+    raw = tiny_raw(["wanda-sp", "ls-best"], ratios=[0.1, 0.2], lambdas=[1.0, 100.0], include_dense=True,
+                   eval=["ppl", "zeroshot"], zeroshot_ratios=[0.2], zeroshot_limit=5,
+                   skip=["calibration-ppl", "speed", "sample"], calib={**tiny_raw([])["calib"], "bos": True})
+    cells = cells_of(raw)
+    evals = {(c.method, c.ratio, c.lam): c.eval for c in cells}
+    assert evals[("original", 0.0, None)] == ("ppl", "zeroshot")  # the dense model always: every ratio's reference
+    assert evals[("wanda-sp", 0.1, None)] == ("ppl",) and evals[("wanda-sp", 0.2, None)] == ("ppl", "zeroshot")
+    assert all(c.zeroshot_limit == (5 if "zeroshot" in c.eval else None) for c in cells)
+    skips = {(c.method, c.lam): c.skip for c in cells}
+    assert skips[("wanda-sp", None)] == ("calibration-ppl", "speed", "sample")
+    assert skips[("ls-best", 1.0)] == ("speed", "sample")  # the λ rule reads the calibration perplexity
+    assert all(c.calib.endswith(":bos") and c.experiment().skip == c.skip for c in cells)
+    plain = cells_of(tiny_raw(["wanda-sp"]))[0]
+    without = {k: v for k, v in plain.to_dict().items() if k != "skip"}  # a cell stored before the key existed
+    assert plain.skip == () and matrix_cells.cell_id(without) == plain.id
+    with pytest.raises(MatrixError, match="skip.*'timing'"):
+        cells_of(tiny_raw(["wanda-sp"], skip=["timing"]))
+
+
 def test_ablation_multiplies_the_methods_by_the_compensated_modules():
     cells = cells_of(tiny_raw(["rcpu-rot"], ratios=[0.1, 0.2, 0.3],
                               ablation={"compensate": list(COMPENSATE_VARIANTS)}))

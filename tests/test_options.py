@@ -11,9 +11,9 @@ import pytest
 from rcpu_bench import experiment_options
 from rcpu_bench.cli import build_parser
 from rcpu_bench.commands import subcommand_parser
+from rcpu_bench.declaration import Option
 from rcpu_bench.matrix.entries import MODEL_KEYS, PRUNE_KEYS
 from rcpu_bench.matrix.spec import TOP_KEYS
-from rcpu_bench.options import Option
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.options import MODULES, OPTIONS, PruneConfig

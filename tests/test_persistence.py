@@ -12,7 +12,8 @@ from tiny_models import STORIES, apply_plan, logits, needs_stories, random_plan,
 
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import load_model, parameter_count
-from rcpu_bench.model.persistence import MANIFEST, load_pruned, load_saved, read_manifest, save_pruned
+from rcpu_bench.model.manifest import MANIFEST, read_manifest
+from rcpu_bench.model.persistence import load_pruned, load_saved, save_pruned
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.records import library_versions
 
@@ -300,7 +301,7 @@ def test_a_killed_save_leaves_staging_that_the_next_save_removes(tmp_path):
     import subprocess
     import sys
 
-    script = ("import os, sys\nfrom pathlib import Path\nfrom rcpu_bench.model.persistence import write_atomically\n"
+    script = ("import os, sys\nfrom pathlib import Path\nfrom rcpu_bench.atomic_file import write_atomically\n"
               "def write(staging):\n    (staging / 'model.safetensors').write_bytes(bytes(1000))\n    os._exit(9)\n"
               "write_atomically(Path(sys.argv[1]), write)\n")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m")], capture_output=True, check=False)

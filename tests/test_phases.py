@@ -48,7 +48,7 @@ def zeroshot(monkeypatch):
         module.calls.append(weights_digest(model))
         return {"mean": 0.5, "weights": module.calls[-1]}
 
-    module.plan_zeroshot = lambda: None
+    module.plan_zeroshot = lambda: types.SimpleNamespace(data_files={"boolq.jsonl": "sha256:0"})
     module.evaluate_zeroshot = evaluate_zeroshot
     monkeypatch.setitem(sys.modules, "rcpu_bench.evaluation.zeroshot", module)
     return module
@@ -127,26 +127,26 @@ def test_phase_two_runs_zero_shot_only_at_the_argmin_of_the_calibration_perplexi
     summary = run_matrix(matrix, tmp_path, progress=False)
     assert (summary.ok, summary.failed, summary.best_ok, summary.best_failed) == (4, 0, 1, 0)
     entries = Store(tmp_path).entries()
-    assert [e["cell_id"] for e in entries[:4]] == [c.id for c in cells]  # the matrix's ids, unchanged
-    grid = [e for e in entries[:4] if "lam" in e["cell"]["prune"]["compensator_params"]]
-    assert [e.get("phase") for e in entries[:4]] == ["ppl", "ppl", "ppl", None]
-    assert all("zeroshot" not in e["record"] for e in grid)
-    assert "zeroshot" in entries[3]["record"] and entries[3]["cell"]["method"] == "rcpu-rot"
+    assert [e.cell_id for e in entries[:4]] == [c.id for c in cells]  # the matrix's ids, unchanged
+    grid = [e for e in entries[:4] if "lam" in e.cell["prune"]["compensator_params"]]
+    assert [e.phase for e in entries[:4]] == ["ppl", "ppl", "ppl", None]
+    assert all("zeroshot" not in e.record for e in grid)
+    assert "zeroshot" in entries[3].record and entries[3].cell["method"] == "rcpu-rot"
     # The chosen λ is the argmin of the phase-1 calibration perplexities, computed here.
-    argmin = min(grid, key=lambda e: e["record"]["calibration_ppl"])
-    assert len({e["record"]["calibration_ppl"] for e in grid}) == 3  # a real choice
+    argmin = min(grid, key=lambda e: e.record["calibration_ppl"])
+    assert len({e.record["calibration_ppl"] for e in grid}) == 3  # a real choice
     best = entries[4]
-    assert best["cell_id"] == argmin["cell_id"] and best["status"] == "ok"
-    assert (best["phase"], best["lambda_rule"]) == ("lambda_best", "paper")
-    assert best["chosen_from"] == [e["cell_id"] for e in grid]
-    assert best["record"] == {**argmin["record"], "zeroshot": best["record"]["zeroshot"]}
+    assert best.cell_id == argmin.cell_id and best.status == "ok"
+    assert (best.phase, best.lambda_rule) == ("lambda_best", "paper")
+    assert best.chosen_from == [e.cell_id for e in grid]
+    assert best.record == {**argmin.record, "zeroshot": best.record["zeroshot"]}
     # Zero-shot ran twice (rcpu-rot, λ_best), and five prunings: four cells and the re-pruned λ_best.
     assert len(zeroshot.calls) == 2 and len(prunings) == 5
-    assert prunings[-1] == next(c for c in cells if c.id == argmin["cell_id"]).experiment()
+    assert prunings[-1] == next(c for c in cells if c.id == argmin.cell_id).experiment()
     # Re-pruning is bit-identical: the weights zero-shot saw are those of an independent run of the chosen cell.
     independent = run_experiment(prunings[-1], progress=False, evaluate=lambda model, _: {"w": weights_digest(model)})
-    assert best["record"]["zeroshot"]["weights"] == independent.extra["w"]
-    assert best["reproduced"] == {"identical": True, "calibration_ppl": [argmin["record"]["calibration_ppl"]] * 2}
+    assert best.record["zeroshot"]["weights"] == independent.extra["w"]
+    assert best.reproduced == {"identical": True, "calibration_ppl": [argmin.record["calibration_ppl"]] * 2}
     # A rerun has nothing left to do.
     again = run_matrix(matrix, tmp_path, progress=False)
     assert (again.skipped, again.ok, again.best_skipped, again.best_ok) == (4, 0, 1, 0)
@@ -162,7 +162,7 @@ def test_a_crash_between_the_phases_loses_nothing_and_the_rerun_continues_with_p
     with pytest.raises(KeyboardInterrupt):
         run_matrix(matrix, tmp_path, progress=False)
     phase1 = Store(tmp_path).entries()
-    assert [e["phase"] for e in phase1] == ["ppl"] * 3 and len(prunings) == 4
+    assert [e.phase for e in phase1] == ["ppl"] * 3 and len(prunings) == 4
     prunings.clear()
     plans = []
     summary = run_matrix(matrix, tmp_path, progress=False, announce=plans.append)
@@ -171,7 +171,7 @@ def test_a_crash_between_the_phases_loses_nothing_and_the_rerun_continues_with_p
     assert "  zero-shot at λ_best: 1 of 1 groups to run\n" in plans[0]
     assert "phase 2: zero-shot at λ_best (rule paper: lowest calibration perplexity) for each of 1 λ groups" in plans[0]
     entries = Store(tmp_path).entries()
-    assert entries[:3] == phase1 and entries[3]["phase"] == "lambda_best"
+    assert entries[:3] == phase1 and entries[3].phase == "lambda_best"
 
 
 @pytest.mark.slow
@@ -183,13 +183,13 @@ def test_a_failed_zero_shot_at_lambda_best_is_recorded_and_retried_without_redoi
     summary = run_matrix(matrix, tmp_path, progress=False)
     assert (summary.ok, summary.best_failed, summary.any_failed) == (3, 1, True)
     failed = Store(tmp_path).entries()[-1]
-    assert (failed["status"], failed["phase"], failed["error"]["message"]) == ("failed", "lambda_best",
+    assert (failed.status, failed.phase, failed.error["message"]) == ("failed", "lambda_best",
                                                                                "out of memory")
     prunings.clear()
     retry = run_matrix(matrix, tmp_path, progress=False)
     assert (retry.skipped, retry.ok, retry.best_ok) == (3, 0, 1) and len(prunings) == 1
-    latest = Store(tmp_path).latest()[failed["cell_id"]]
-    assert latest["status"] == "ok" and "zeroshot" in latest["record"]
+    latest = Store(tmp_path).latest()[failed.cell_id]
+    assert latest.status == "ok" and "zeroshot" in latest.record
 
 
 @pytest.mark.slow

@@ -60,7 +60,7 @@ def test_a_rerun_reports_and_reruns_cells_whose_model_or_calibration_changed(tmp
     results = tmp_path / "results"
     assert run_matrix(parse_matrix(raw), results, progress=False).ok == 1
     (first,) = Store(results).entries()
-    assert {key: first["fingerprint"][key] for key in ("model", "calibration")} == {
+    assert {key: first.fingerprint[key] for key in ("model", "calibration")} == {
         "model": directory_hash(model), "calibration": hashlib.sha256(corpus.read_bytes()).hexdigest()}
     assert run_matrix(parse_matrix(raw), results, progress=False).skipped == 1  # nothing changed
 
@@ -70,16 +70,16 @@ def test_a_rerun_reports_and_reruns_cells_whose_model_or_calibration_changed(tmp
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     again = run_matrix(parse_matrix(raw), results, progress=False)
     assert (again.ok, again.skipped) == (1, 0)
-    assert f"cell {first['cell_id']} (mha | " in caplog.text and "its model changed" in caplog.text
+    assert f"cell {first.cell_id} (mha | " in caplog.text and "its model changed" in caplog.text
     second = Store(results).entries()[-1]
-    assert second["cell_id"] == first["cell_id"] and second["fingerprint"]["model"] == directory_hash(model)
-    assert second["record"]["perplexity"] != first["record"]["perplexity"]
+    assert second.cell_id == first.cell_id and second.fingerprint["model"] == directory_hash(model)
+    assert second.record["perplexity"] != first.record["perplexity"]
 
     caplog.clear()
     _stories_corpus(corpus, 60)
     third = run_matrix(parse_matrix(raw), results, progress=False)
     assert (third.ok, third.skipped) == (1, 0) and "its calibration changed" in caplog.text
-    assert [e["cell_id"] for e in Store(results).entries()] == [first["cell_id"]] * 3
+    assert [e.cell_id for e in Store(results).entries()] == [first.cell_id] * 3
 
 
 @pytest.mark.slow

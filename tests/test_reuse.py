@@ -23,13 +23,13 @@ METHODS = [("wanda-sp", "none", {}), ("variance", "procrustes", {}), ("variance"
 
 def _count_captures(monkeypatch) -> list[int]:
     calls: list[int] = []
-    original = pipeline._capture
+    original = pipeline.capture
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "_capture", counting)
+    monkeypatch.setattr(pipeline, "capture", counting)
     return calls
 
 
@@ -96,11 +96,11 @@ def test_a_matrix_run_with_reuse_records_the_same_numbers_and_captures_once(monk
     with_reuse = list(LocalExecutor(reuse=True).run(cells, default_registry(), lambda cell: None))
     assert len(captures) == len(cells) + 1
     for a, b in zip(without, with_reuse, strict=True):
-        assert a["status"] == b["status"] == "ok"
-        assert a["record"]["perplexity"] == b["record"]["perplexity"]
-        assert a["record"]["calibration_ppl"] == b["record"]["calibration_ppl"]
-        assert a["record"]["layers"] == b["record"]["layers"]
-        assert a["record"]["parameters"] == b["record"]["parameters"]
+        assert a.status == b.status == "ok"
+        assert a.record["perplexity"] == b.record["perplexity"]
+        assert a.record["calibration_ppl"] == b.record["calibration_ppl"]
+        assert a.record["layers"] == b.record["layers"]
+        assert a.record["parameters"] == b.record["parameters"]
 
 
 def test_the_dense_model_is_one_cell_per_model_whatever_the_sizes_methods_and_ablation():

@@ -50,18 +50,18 @@ def test_a_run_stores_a_complete_entry_per_cell_and_a_rerun_skips_them(tmp_path)
     summary = run_matrix(matrix, tmp_path, progress=False)
     assert (summary.total, summary.ok, summary.failed, summary.skipped) == (3, 3, 0, 0)
     entries = Store(tmp_path).entries()
-    assert [e["cell"]["method"] for e in entries] == ["original", "wanda-sp", "rcpu-rot"]
+    assert [e.cell["method"] for e in entries] == ["original", "wanda-sp", "rcpu-rot"]
     for entry in entries:
-        assert entry["status"] == "ok" and entry["error"] is None and entry["seconds"] > 0
-        assert entry["record"]["experiment"]["prune"]["ratio"] == entry["cell"]["prune"]["ratio"]
-        assert "ratio" not in entry["cell"] and "lam" not in entry["cell"]  # stored once, in prune
-        assert entry["record"]["perplexity"][0]["profile"] == "tinystories[900:920]"
-    removed = [e["record"]["parameters"]["removed_fraction"] for e in entries]
+        assert entry.status == "ok" and entry.error is None and entry.seconds > 0
+        assert entry.record["experiment"]["prune"]["ratio"] == entry.cell["prune"]["ratio"]
+        assert "ratio" not in entry.cell and "lam" not in entry.cell  # stored once, in prune
+        assert entry.record["perplexity"][0]["profile"] == "tinystories[900:920]"
+    removed = [e.record["parameters"]["removed_fraction"] for e in entries]
     assert removed[0] == 0 < removed[1] == removed[2]
     # Every cell prunes its own copy of the cached dense model: the last one equals a run that loads the model.
     fresh = run_experiment(expand(matrix, REGISTRY)[-1].experiment(), progress=False)
-    assert entries[-1]["record"]["perplexity"] == fresh.perplexity
-    assert entries[-1]["record"]["calibration_ppl"] == fresh.calibration_ppl
+    assert entries[-1].record["perplexity"] == fresh.perplexity
+    assert entries[-1].record["calibration_ppl"] == fresh.calibration_ppl
     again = run_matrix(matrix, tmp_path, progress=False)
     assert (again.ok, again.failed, again.skipped) == (0, 0, 3) and len(Store(tmp_path).entries()) == 3
     rerun = run_matrix(tiny_matrix(["wanda-sp"]), tmp_path, resume=False, progress=False)
@@ -115,11 +115,11 @@ def test_failing_cells_are_recorded_with_their_traceback_the_run_goes_on_and_a_r
     matrix = tiny_matrix([faulty[0], "rcpu-rot", faulty[1]])
     summary = run_matrix(matrix, tmp_path, progress=False, registry=registry)
     assert (summary.ok, summary.failed) == (1, 2)
-    entries = {e["cell"]["method_label"]: e for e in Store(tmp_path).entries()}
-    assert entries["RCPU (Rot.)"]["status"] == "ok"
-    exploded, nan = entries["explode"]["error"], entries["nan-weights"]["error"]
+    entries = {e.cell["method_label"]: e for e in Store(tmp_path).entries()}
+    assert entries["RCPU (Rot.)"].status == "ok"
+    exploded, nan = entries["explode"].error, entries["nan-weights"].error
     for name in ("explode", "nan-weights"):
-        assert entries[name]["status"] == "failed" and entries[name]["record"] is None
+        assert entries[name].status == "failed" and entries[name].record is None
     assert exploded["type"] == "RuntimeError" and "in explode" in exploded["traceback"]
     assert nan["type"] == "PluginContractError" and "NaN" in nan["message"] and "faulty" in nan["message"]
     again = run_matrix(matrix, tmp_path, progress=False, registry=registry)
@@ -132,16 +132,16 @@ def test_a_non_finite_perplexity_fails_the_cell(monkeypatch):
                     perplexity=[{"profile": "tinystories[900:920]", "ppl": float("nan")}])
     monkeypatch.setattr(executors, "run_experiment", lambda *args, **kwargs: record)
     entry = run_cell(cell, REGISTRY, ModelCache())
-    assert entry["status"] == "failed" and entry["record"] is None
-    assert entry["error"]["type"] == "FloatingPointError"
-    assert "non-finite perplexity: {'tinystories[900:920]': nan}" in entry["error"]["message"]
+    assert entry.status == "failed" and entry.record is None
+    assert entry.error["type"] == "FloatingPointError"
+    assert "non-finite perplexity: {'tinystories[900:920]': nan}" in entry.error["message"]
 
 
 @pytest.fixture
 def fake_zeroshot(monkeypatch):
     """A stand-in for rcpu_bench.evaluation.zeroshot (lm-eval over seven tasks is far too slow for a test)."""
     module = types.ModuleType("rcpu_bench.evaluation.zeroshot")
-    module.plan_zeroshot = lambda: None
+    module.plan_zeroshot = lambda: types.SimpleNamespace(data_files={"boolq.jsonl": "sha256:0"})
     module.evaluate_zeroshot = lambda model, tokenizer, limit: {"mean": 0.5, "limit": limit,
                                                                 "parameters": model.num_parameters()}
     monkeypatch.setitem(sys.modules, "rcpu_bench.evaluation.zeroshot", module)
@@ -153,8 +153,8 @@ def fake_zeroshot(monkeypatch):
 def test_zeroshot_cells_evaluate_the_pruned_model_into_the_record(tmp_path, fake_zeroshot):
     run_matrix(tiny_matrix(["rcpu-rot"], eval=["ppl", "zeroshot"], zeroshot_limit=7), tmp_path, progress=False)
     (entry,) = Store(tmp_path).entries()
-    assert entry["record"]["zeroshot"] == {"mean": 0.5, "limit": 7,
-                                           "parameters": entry["record"]["parameters"]["after"]}
+    assert entry.record["zeroshot"] == {"mean": 0.5, "limit": 7,
+                                           "parameters": entry.record["parameters"]["after"]}
 
 
 @needs_stories
@@ -218,14 +218,14 @@ def test_killed_runs_lose_no_finished_cell_and_a_rerun_completes_the_matrix(tmp_
     with open(tmp_path / "runner.log", "wb") as log:
         for n_entries in (1, 3):
             kill_at(start_runner(script, matrix_file, store.dir, log), store, n_entries)
-            stored = [entry["cell_id"] for entry in store.entries()]  # every line reads back
+            stored = [entry.cell_id for entry in store.entries()]  # every line reads back
             assert len(stored) == len(set(stored)) and finished <= set(stored) <= ids
             finished = set(stored)
         with open(store.path, "ab") as handle:
             handle.write(b'{"cell_id": "torn')  # a write cut short by a kill
         assert start_runner(script, matrix_file, store.dir, log).wait(TIMEOUT_S) == 0
     entries = store.entries()
-    assert sorted(e["cell_id"] for e in entries) == sorted(ids) and {e["status"] for e in entries} == {"ok"}
+    assert sorted(e.cell_id for e in entries) == sorted(ids) and {e.status for e in entries} == {"ok"}
 
 
 # --- command line ---------------------------------------------------------------------------------

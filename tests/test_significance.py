@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from rcpu_bench.tables.significance import accuracy_difference, ppl_difference
+from rcpu_bench.matrix.store import Entry, StoredResult
+from rcpu_bench.tables.significance import accuracy_difference, ppl_difference, ranking_tables
 
 
 def entry(nll, targets, profile="rcpu128[0:40]"):
@@ -84,3 +85,55 @@ def test_one_task_accuracy_matches_scipy_and_tasks_are_averaged():
     both = accuracy_difference({"piqa": a.tolist(), "boolq": c.tolist()}, {"piqa": b.tolist(), "boolq": d.tolist()})
     assert both.estimate == pytest.approx(50 * ((a.mean() - b.mean()) + (c.mean() - d.mean())))
     assert both.high - both.low > ours.high - ours.low  # the small task's noise widens the mean's interval
+
+
+def stored_run(method: str, ratio: float, nll: list[float], items: list[float] | None = None) -> StoredResult:
+    """A stored run with per-window NLL sums (64 targets each) and, optionally, per-document scores of every task."""
+    import json
+
+    from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
+    from rcpu_bench.pruning.methods import RECIPES
+    from rcpu_bench.pruning.options import PruneConfig
+
+    prune = {**PruneConfig().to_dict(), **RECIPES[method].prune, "ratio": ratio}
+    cell = {"matrix": "m", "model": "/m", "model_label": "M", "revision": None, "method": method,
+            "method_label": RECIPES[method].label, "n_calib": 8, "seqlen": 64, "calib": "tinystories:8x64",
+            "prune": prune, "ppl_profiles": ["p"], "eval": ["ppl"], "dtype": "float32", "device": "cpu"}
+    targets = [64] * len(nll)
+    record = {"experiment": {"prune": prune}, "parameters": {"before": 10, "after": 8, "removed_fraction": 0.2},
+              "perplexity": [{"profile": "p", "ppl": math.exp(sum(nll) / sum(targets)), "window_nll": nll,
+                              "window_targets": targets}],
+              "calibration_ppl": 2.0, "timing": {"total_seconds": 1.0, "layers": []}, "peak_memory_bytes": 1}
+    if items is not None:
+        record["zeroshot"] = {"tasks": {task: {"metric": metric, metric: sum(items) / len(items), "items": items}
+                                        for task, metric in METRIC_MAPS["paper"].items()}}
+    entry = {"cell_id": f"{method}-{ratio}", "status": "ok", "cell": cell, "record": json.loads(json.dumps(record)),
+             "seconds": 1.0}
+    return StoredResult.from_entry(Entry.from_json(entry))
+
+
+def test_the_ranking_orders_runs_and_names_ties_against_the_run_above_and_the_best():
+    rng = np.random.default_rng(5)
+    base = rng.normal(3.0, 0.4, 300) * 64
+    runs = [stored_run("rcpu-rot", 0.2, list(base + 0.50 * 64)),  # clearly worse than ridge
+            stored_run("ls-best", 0.2, list(base)),  # the best
+            stored_run("rcpu-rot-scale", 0.2, list(base + 0.50 * 64 + rng.normal(0, 0.01, 300) * 64)),  # ≈ rot
+            stored_run("original", 0.0, list(base - 64))]
+    (table,) = ranking_tables(runs, "p")
+    rows = [(row.label, row.cells[2], row.cells[4]) for row in table.rows]
+    assert rows[0][0] == "Prop.Score+LS (lambda_best)"  # the dense model (ratio 0) is not ranked
+    assert {label for label, _, _ in rows[1:]} == {"RCPU (Rot.)", "RCPU (Rot.+Scale)"}
+    assert rows[0][1:] == ("", "") and rows[1][1:] == ("worse", "worse")
+    assert rows[2][1] == "tie" and rows[2][2] == "worse"  # the two rotations are not told apart
+    assert table.rows[1].cells[0] == pytest.approx(math.exp((base + 32).sum() / (64 * 300)), rel=1e-2)
+
+
+def test_the_zero_shot_ranking_needs_per_document_scores():
+    runs = [stored_run("rcpu-rot", 0.2, [128.0] * 4, items=[1.0, 0.0] * 50),
+            stored_run("ls-best", 0.2, [128.0] * 4, items=[1.0, 1.0, 1.0, 0.0] * 25),
+            stored_run("wanda-sp", 0.2, [128.0] * 4)]  # no zero-shot: ranked by perplexity only
+    tables = ranking_tables(runs, "p")
+    accuracy = next(table for table in tables if "zero-shot" in table.title)
+    assert [(row.label, row.cells[0]) for row in accuracy.rows] == [("Prop.Score+LS (lambda_best)", 75.0),
+                                                                     ("RCPU (Rot.)", 50.0)]
+    assert accuracy.rows[1].cells[2] == "worse"

@@ -18,6 +18,7 @@ from rcpu_bench.matrix.spec import expand, load_matrix
 from rcpu_bench.matrix.store import (
     FAILED,
     OK,
+    Entry,
     Store,
     StoreBusyError,
     StoredResult,
@@ -34,8 +35,8 @@ CELL_KEYS = {"matrix", "model", "model_label", "method", "method_label", "n_cali
              "ppl_profiles", "eval"}
 
 
-def entry(cell_id: str, status: str = OK) -> dict:
-    return {"cell_id": cell_id, "status": status}
+def entry(cell_id: str, status: str = OK) -> Entry:
+    return Entry(cell_id, status, {})
 
 
 def fail() -> None:
@@ -46,17 +47,27 @@ def test_entries_carry_the_cell_and_either_a_record_or_an_error_with_its_traceba
     (cell,) = expand(tiny_matrix(["rcpu-rot"]), default_registry())
     record = Record(experiment={}, parameters={}, perplexity=[], timing={}, peak_memory_bytes=0)
     ok = make_entry(cell, seconds=1.5, record=record)
-    assert ok["record"] == record.to_json()
-    assert set(ok) == ENTRY_KEYS and set(ok["cell"]) >= CELL_KEYS
-    assert (ok["cell_id"], ok["status"], ok["error"], ok["seconds"]) == (cell.id, OK, None, 1.5)
-    assert ok["finished_at"].endswith("+00:00") and ok["cell"]["method_label"] == "RCPU (Rot.)"
+    assert ok.record == record.to_json()
+    assert set(ok.to_json()) == ENTRY_KEYS and set(ok.cell) >= CELL_KEYS
+    assert (ok.cell_id, ok.status, ok.error, ok.seconds) == (cell.id, OK, None, 1.5)
+    assert ok.finished_at.endswith("+00:00") and ok.cell["method_label"] == "RCPU (Rot.)"
+    assert Entry.from_json(json.loads(json.dumps(ok.to_json()))) == ok
     try:
         fail()
     except RuntimeError as raised:
         failed = make_entry(cell, seconds=0.1, error=error_info(raised))
-    assert failed["status"] == FAILED and failed["record"] is None
-    assert failed["error"]["type"] == "RuntimeError" and failed["error"]["message"] == "boom"
-    assert "in fail" in failed["error"]["traceback"] and json.loads(json.dumps(failed)) == failed
+    assert failed.status == FAILED and failed.record is None
+    assert failed.error["type"] == "RuntimeError" and failed.error["message"] == "boom"
+    assert "in fail" in failed.error["traceback"]
+    assert Entry.from_json(json.loads(json.dumps(failed.to_json()))) == failed
+
+
+def test_an_entry_keeps_its_format_optional_keys_only_when_set_and_unknown_keys_as_they_were():
+    line = {"cell_id": "a", "status": OK, "error": None, "cell": {}, "record": {"x": 1}, "finished_at": "t",
+            "seconds": 2.0, "phase": "ppl", "future_key": [1, 2]}
+    entry = Entry.from_json(line)
+    assert (entry.phase, entry.fingerprint, entry.extra) == ("ppl", None, {"future_key": [1, 2]})
+    assert entry.to_json() == line
 
 
 def test_the_newest_entry_of_a_cell_wins(tmp_path):
@@ -66,7 +77,7 @@ def test_the_newest_entry_of_a_cell_wins(tmp_path):
         for item in (entry("a"), entry("b", FAILED), entry("c", FAILED), entry("b"), entry("a", FAILED)):
             append(item)
     assert len(store.entries()) == 5
-    assert {k: e["status"] for k, e in store.latest().items()} == {"a": FAILED, "b": OK, "c": FAILED}
+    assert {k: e.status for k, e in store.latest().items()} == {"a": FAILED, "b": OK, "c": FAILED}
     assert store.finished() == {"b"}
 
 
@@ -76,10 +87,10 @@ def test_a_torn_last_line_is_skipped_and_cut_before_the_next_append(tmp_path):
         append(entry("a"))
     with open(store.path, "a", encoding="utf-8") as handle:
         handle.write('{"cell_id": "b", "sta')  # a writer killed in the middle of a line
-    assert [e["cell_id"] for e in store.entries()] == ["a"]
+    assert [e.cell_id for e in store.entries()] == ["a"]
     with store.writing() as append:
         append(entry("c"))
-    assert [e["cell_id"] for e in store.entries()] == ["a", "c"]
+    assert [e.cell_id for e in store.entries()] == ["a", "c"]
     assert store.path.read_text(encoding="utf-8").count("\n") == 2
 
 
@@ -103,7 +114,7 @@ def test_latest_and_finished_follow_the_last_complete_entry_of_each_cell(tmp_pat
     with open(store.path, "a", encoding="utf-8") as handle:
         handle.write(torn.replace("\n", ""))
     expected = dict(appended)  # the last status of each cell
-    assert {k: e["status"] for k, e in store.latest().items()} == expected
+    assert {k: e.status for k, e in store.latest().items()} == expected
     assert store.finished() == {k for k, status in expected.items() if status == OK}
 
 
@@ -157,8 +168,8 @@ def test_newest_entries_is_each_cells_last_entry_in_order_of_last_writes(pairs):
     entries = [{"cell_id": cell, "n": n} for cell, n in pairs]
     last = {cell: max(i for i, (c, _) in enumerate(pairs) if c == cell) for cell, _ in pairs}
     expected = [entries[i] for i in sorted(last.values())]
-    assert list(newest_entries(entries).values()) == expected
-    assert list(newest_entries(entries)) == [e["cell_id"] for e in expected]
+    by_id = newest_entries(entries, cell_id=lambda e: e["cell_id"])
+    assert list(by_id.values()) == expected and list(by_id) == [e["cell_id"] for e in expected]
 
 
 # ------------------------------------------------------------------------- ρ and λ stored once, in prune

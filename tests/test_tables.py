@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rcpu_bench.commands import main
-from rcpu_bench.matrix.store import StoredResult, read_results
+from rcpu_bench.matrix.store import Entry, StoredResult, read_results
 from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.tables import results as values
 from rcpu_bench.tables.layout import spec
@@ -76,7 +76,7 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
 
 def stored(entries: list[dict[str, Any]]) -> list[StoredResult]:
     """Store entries as the store's reader returns them."""
-    return [StoredResult.from_entry(e) for e in entries]
+    return [StoredResult.from_entry(Entry.from_json(e)) for e in entries]
 
 
 def tables_of(entries: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list:

@@ -35,7 +35,7 @@ def _prose(text: str) -> str:
 
 
 def declared_table(table: str) -> str:
-    """A table of ``rcpu_bench.options.markdown_table`` as the site renders it."""
+    """A table of ``rcpu_bench.declaration.markdown_table`` as the site renders it."""
     lines = table.splitlines()
     return "\n".join(lines[:2] + [_outside_code(line, lambda part: part.replace("<", "&lt;").replace(">", "&gt;")
                                                 .replace("*", "\\*").replace("[", "\\[")) for line in lines[2:]])

@@ -12,12 +12,12 @@ from tabulate import tabulate
 from rcpu_bench import console, experiment_options
 from rcpu_bench.commands import command
 from rcpu_bench.commands.shared import check_models
+from rcpu_bench.declaration import positive_int
 from rcpu_bench.evaluation.speed import NEW_TOKENS, PROMPT_TOKENS, REPEATS, inference_speed
 from rcpu_bench.evaluation.speed_llama_cpp import GGUF_DTYPE
 from rcpu_bench.export.gguf import DTYPES, check_dtype
 from rcpu_bench.model.loading import LoadedModel, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
-from rcpu_bench.options import positive_int
 from rcpu_bench.paths import default_model
 from rcpu_bench.plugins import default_registry
 

@@ -18,7 +18,8 @@ statistics; one-shot statistics: the dense model's), and both modules' G come fr
 layer l, as in the pruning pipeline.
 
 Degrees of freedom of the update, per module (paper §1 and §3: a rotation "reduces the update's degrees
-of freedom" against least squares):
+of freedom" against least squares). Each compensator declares its rule when it registers (``register(name, fn,
+dof=rule)``, a :data:`DegreesOfFreedom`); the built-in rules:
 
 * ridge: d_out · Σᵢ σᵢ² / (σᵢ² + λ), σᵢ² the eigenvalues of G_KK — the effective degrees of freedom
   tr(X_Kᵀ(X_K X_Kᵀ + λI)⁻¹X_K) of ridge regression, per output row, for d_out rows. G is a *sum* over
@@ -26,13 +27,15 @@ of freedom" against least squares):
   at λ = 0 it is d_out · rank(G_KK), eigenvalues below |K|·eps·max counted as zero.
 * procrustes: d_out(d_out − 1)/2, the dimension of the orthogonal group O(d_out);
   scaled-procrustes: one more (the scale).
-* none: 0; flap-bias: d_out (the bias).
-Other compensators have no rule here: their degrees of freedom are recorded as None.
+* none: 0; flap-bias: d_out (the bias); slimllm: 2·d_out (a scale and a bias per output row); olica: r·(d_out + |K|
+  − r), the dimension of the d_out × |K| matrices of rank r.
+A compensator registered without a rule has its degrees of freedom recorded as None.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,27 +72,56 @@ def rotation_degrees_of_freedom(d_out: int, scaled: bool = False) -> int:
     return d_out * (d_out - 1) // 2 + int(scaled)
 
 
-def degrees_of_freedom(compensator: str, weight: Tensor, stats: ActivationStats, kept: Tensor,
-                       compensation: Compensation) -> float | None:
-    """The update's degrees of freedom by the compensator's rule (module docstring); None for other compensators."""
-    d_out = weight.shape[0]
-    if compensator == "ridge":
-        return ridge_degrees_of_freedom(Problem(weight, stats, kept).gkk, float(compensation.info["lambda"]), d_out)
-    rules = {"procrustes": rotation_degrees_of_freedom(d_out), "none": 0, "flap-bias": d_out,
-             "scaled-procrustes": rotation_degrees_of_freedom(d_out, scaled=True)}
-    return rules.get(compensator)
+DegreesOfFreedom = Callable[[Tensor, ActivationStats, Tensor, Compensation], float]
+"""A compensator's rule: (dense W, calibration statistics, kept columns K, its compensation) → degrees of freedom."""
+
+
+def ridge_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
+    """Ridge's rule at the λ it used (``compensation.info["lambda"]``)."""
+    return ridge_degrees_of_freedom(Problem(weight, stats, kept).gkk, float(compensation.info["lambda"]),
+                                    weight.shape[0])
+
+
+def rotation_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
+    return rotation_degrees_of_freedom(weight.shape[0])
+
+
+def scaled_rotation_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
+    return rotation_degrees_of_freedom(weight.shape[0], scaled=True)
+
+
+def no_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
+    return 0
+
+
+def bias_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
+    """A bias per output row: d_out."""
+    return weight.shape[0]
+
+
+def affine_rows_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
+    """A scale and a bias per output row: 2·d_out."""
+    return 2 * weight.shape[0]
+
+
+def low_rank_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
+    """A rank-r update of the d_out × |K| kept weight (r = ``compensation.info["rank"]``): r·(d_out + |K| − r)."""
+    rank = int(compensation.info["rank"])
+    return rank * (weight.shape[0] + len(kept) - rank)
 
 
 def module_generalisation(weight: Tensor, calibration: ActivationStats, holdout: ActivationStats, kept: Tensor,
-                          compensator: str, compensation: Compensation) -> dict[str, float | None]:
+                          compensation: Compensation, dof: DegreesOfFreedom | None) -> dict[str, float | None]:
     """Calibration and held-out relative errors of one compensated module, and its degrees of freedom.
 
-    ``weight`` is the dense W (before pruning), ``kept`` its kept input columns, ``compensation`` what
-    ``compensator`` returned from the ``calibration`` statistics; ``holdout`` are the held-out windows' statistics.
+    ``weight`` is the dense W (before pruning), ``kept`` its kept input columns, ``compensation`` what the
+    compensator returned from the ``calibration`` statistics, ``dof`` its declared rule (None: not declared);
+    ``holdout`` are the held-out windows' statistics.
     """
     errors = {name: relative_error(weight, stats, kept, compensation.weight, compensation.bias)
               for name, stats in (("calibration_error", calibration), ("holdout_error", holdout))}
-    return {**errors, "degrees_of_freedom": degrees_of_freedom(compensator, weight, calibration, kept, compensation)}
+    freedom = None if dof is None else float(dof(weight, calibration, kept, compensation))
+    return {**errors, "degrees_of_freedom": freedom}
 
 
 def summary(layers: list[dict[str, Any]], holdout_windows: int) -> dict[str, Any]:

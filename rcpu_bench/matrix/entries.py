@@ -13,6 +13,7 @@ from itertools import product
 from typing import Any
 
 from rcpu_bench import data, experiment_options
+from rcpu_bench.declaration import Option
 from rcpu_bench.experiment import DEFAULT_CALIB
 from rcpu_bench.matrix.cells import SHARED, portable
 from rcpu_bench.matrix.schema import (
@@ -31,7 +32,6 @@ from rcpu_bench.matrix.schema import (
     read_keys,
     text,
 )
-from rcpu_bench.options import Option
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.registry import Registry

@@ -34,7 +34,7 @@ from rcpu_bench.matrix.ray_resources import (
 )
 from rcpu_bench.matrix.reuse import LayerInputCache, capture_key
 from rcpu_bench.matrix.spec import Cell
-from rcpu_bench.matrix.store import error_info, make_entry
+from rcpu_bench.matrix.store import Entry, error_info, make_entry
 from rcpu_bench.model.loading import LoadedModel, load_model
 from rcpu_bench.records import Record
 from rcpu_bench.registry import Registry
@@ -48,7 +48,7 @@ OnStart = Callable[[Cell], None]
 class Executor(Protocol):
     """Runs cells and yields their store entries as they finish; ``on_start(cell)`` tells when a cell starts."""
 
-    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[dict[str, Any]]: ...
+    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[Entry]: ...
 
 
 def clone_to(model: nn.Module, device: str | torch.device) -> nn.Module:
@@ -133,7 +133,7 @@ def evaluations(cell: Cell) -> Callable[[Any, Any], dict[str, Any]] | None:
 
 
 def run_cell(cell: Cell, registry: Registry, models: ModelCache, inputs: LayerInputCache | None = None,
-             device: str | None = None) -> dict[str, Any]:
+             device: str | None = None) -> Entry:
     """Run one cell and return its store entry; any exception becomes a failed entry with its traceback.
 
     ``inputs`` shares layer 0's captured inputs between cells (rcpu_bench.matrix.reuse); ``device`` replaces
@@ -159,7 +159,7 @@ class LocalExecutor:
     def __init__(self, reuse: bool = True) -> None:
         self.reuse = reuse
 
-    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[dict[str, Any]]:
+    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[Entry]:
         models, inputs = ModelCache(), LayerInputCache() if self.reuse else None
         for cell in cells:
             on_start(cell)
@@ -174,7 +174,7 @@ _WORKER_MODELS = ModelCache()
 _WORKER_INPUTS = LayerInputCache()
 
 
-def _ray_cell(cell: Cell, registry: Registry, keep_dense: bool) -> dict[str, Any]:
+def _ray_cell(cell: Cell, registry: Registry, keep_dense: bool) -> Entry:
     """The body of a Ray task: the cell on the GPU Ray assigned to this task (if any)."""
     import ray
 
@@ -212,7 +212,7 @@ class RayExecutor:
     def __init__(self, address: str | None = None):
         self.ray, self.address = import_ray(), address
 
-    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[dict[str, Any]]:
+    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[Entry]:
         ray = self.ray
         with self._connected(ray, registry):
             task = ray.remote(max_retries=0, max_calls=0)(_ray_cell)  # reused workers keep their dense copy
@@ -261,7 +261,7 @@ class RayExecutor:
                 "_temp_dir": tempfile.mkdtemp(prefix="rcpu-ray-")}
 
     @staticmethod
-    def _entry(ray, ref, cell: Cell) -> dict[str, Any]:
+    def _entry(ray, ref, cell: Cell) -> Entry:
         """The task's entry; a task that died (worker crash, cancelled) becomes a failed entry here."""
         try:
             return ray.get(ref)

@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from rcpu_bench import data
+from rcpu_bench.atomic_file import file_sha256
 from rcpu_bench.evaluation import perplexity
 from rcpu_bench.matrix.cells import Cell
+from rcpu_bench.matrix.store import Entry
 from rcpu_bench.model.loading import load_config, model_source
-from rcpu_bench.model.persistence import file_sha256
 
 
 def model_fingerprint(name_or_path: str, revision: str | None = None) -> str:
@@ -85,17 +86,17 @@ class Fingerprints:
         return {"model": model, "calibration": calib, "evaluation": evaluation}
 
 
-def stored_fingerprint(entry: dict[str, Any]) -> dict[str, str]:
+def stored_fingerprint(entry: Entry) -> dict[str, str]:
     """What an entry records of its content: its fingerprint, or for an entry written before fingerprints the
     calibration sha256 its record holds (the model then cannot be checked)."""
-    stored = dict(entry.get("fingerprint") or {})
-    calibration = ((entry.get("record") or {}).get("calibration") or {}).get("sha256")
+    stored = dict(entry.fingerprint or {})
+    calibration = ((entry.record or {}).get("calibration") or {}).get("sha256")
     if calibration is not None:
         stored.setdefault("calibration", calibration)
     return stored
 
 
-def changes(entry: dict[str, Any], current: dict[str, str]) -> list[str]:
+def changes(entry: Entry, current: dict[str, str]) -> list[str]:
     """What differs between the content ``entry`` was computed from and ``current``: e.g. ``["model"]``."""
     stored = stored_fingerprint(entry)
     return [key for key in current if key in stored and stored[key] != current[key]]

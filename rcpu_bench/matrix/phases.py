@@ -29,11 +29,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from rcpu_bench.matrix.lambda_rules import choose
 from rcpu_bench.matrix.spec import Cell
-from rcpu_bench.matrix.store import OK, StoredResult, newest_entries
+from rcpu_bench.matrix.store import Entry, StoredResult, newest_entries
 
 ZEROSHOT = "zeroshot"
 PHASE_PPL = "ppl"  # a λ-grid cell's entry of phase 1: pruning and perplexity, zero-shot deferred
@@ -50,11 +49,11 @@ def lambda_group(cell: Cell) -> str:
     return json.dumps(config, sort_keys=True)
 
 
-def phase1_entries(entries: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def phase1_entries(entries: Iterable[Entry]) -> dict[str, Entry]:
     """Per cell id, the entry that stands for its phase 1 when it is ok: its newest entry, failed phase-2 entries
     left out (a zero-shot run at λ_best that failed does not undo the pruning and perplexity before it)."""
-    kept = newest_entries(e for e in entries if not (e.get("phase") == PHASE_LAMBDA_BEST and e["status"] != OK))
-    return {cell_id: entry for cell_id, entry in kept.items() if entry["status"] == OK}
+    kept = newest_entries(e for e in entries if not (e.phase == PHASE_LAMBDA_BEST and not e.ok))
+    return {cell_id: entry for cell_id, entry in kept.items() if entry.ok}
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class LambdaBest:
     """Phase 2 of one λ group: the chosen cell, its phase-1 entry, and the ids of the group's cells (λ order)."""
 
     cell: Cell
-    phase1: dict[str, Any]
+    phase1: Entry
     chosen_from: tuple[str, ...]
 
 
@@ -93,13 +92,13 @@ class PhasePlan:
             return cell
         return replace(cell, eval=tuple(e for e in cell.eval if e != ZEROSHOT), zeroshot_limit=None)
 
-    def phase1_entry(self, entry: dict[str, Any], cell: Cell) -> dict[str, Any]:
+    def phase1_entry(self, entry: Entry, cell: Cell) -> Entry:
         """The store entry of ``cell`` from the entry of its phase-1 run (which carries the run cell's id)."""
         if cell.id not in self.deferred:
             return entry
-        return {**entry, "cell_id": cell.id, "cell": cell.to_dict(), "phase": PHASE_PPL}
+        return replace(entry, cell_id=cell.id, cell=cell.to_dict(), phase=PHASE_PPL)
 
-    def phase2(self, entries: Sequence[dict[str, Any]]) -> Phase2:
+    def phase2(self, entries: Sequence[Entry]) -> Phase2:
         """The groups whose λ_best is decided (every cell has an ok phase-1 entry) and has no zero-shot result yet."""
         phase1, newest = phase1_entries(entries), newest_entries(entries)
         todo, done, waiting = [], 0, []
@@ -109,11 +108,11 @@ class PhasePlan:
                 continue
             results = [StoredResult.from_entry(phase1[cell.id]) for cell in group]
             best = phase1[choose(lambda_group(group[0]), results).result.cell_id]
-            latest = newest[best["cell_id"]]
-            if latest["status"] == OK and ZEROSHOT in latest["record"]:
+            latest = newest[best.cell_id]
+            if latest.ok and latest.record is not None and ZEROSHOT in latest.record:
                 done += 1
                 continue
-            cell = next(cell for cell in group if cell.id == best["cell_id"])
+            cell = next(cell for cell in group if cell.id == best.cell_id)
             todo.append(LambdaBest(cell, best, tuple(c.id for c in group)))
         return Phase2(tuple(todo), done, tuple(waiting))
 
@@ -150,15 +149,16 @@ def plan_phases(cells: Sequence[Cell]) -> PhasePlan:
     return PhasePlan(tuple(cells), tuple(tuple(g) for g in groups.values() if len(g) > 1))
 
 
-def lambda_best_entry(run: dict[str, Any], best: LambdaBest) -> dict[str, Any]:
+def lambda_best_entry(run: Entry, best: LambdaBest) -> Entry:
     """The phase-2 store entry from the chosen cell's re-run ``run``: the phase-1 record with the re-run's zero-shot
     accuracy, how λ was chosen, and whether the re-pruned model reproduced phase 1's calibration perplexity."""
-    entry = {**run, "phase": PHASE_LAMBDA_BEST, "lambda_rule": LAMBDA_RULE, "chosen_from": list(best.chosen_from)}
-    if run["status"] != OK:
+    entry = replace(run, phase=PHASE_LAMBDA_BEST, lambda_rule=LAMBDA_RULE, chosen_from=list(best.chosen_from))
+    if not run.ok:
         return entry
-    first, again = best.phase1["record"], run["record"]
-    entry["record"] = {**first, ZEROSHOT: again[ZEROSHOT]}
-    entry["reproduced"] = {"identical": (first["calibration_ppl"], first["perplexity"])
-                           == (again["calibration_ppl"], again["perplexity"]),
-                           "calibration_ppl": [first["calibration_ppl"], again["calibration_ppl"]]}
+    first, again = best.phase1.record, run.record
+    assert first is not None and again is not None  # ok entries have records
+    entry.record = {**first, ZEROSHOT: again[ZEROSHOT]}
+    entry.reproduced = {"identical": (first["calibration_ppl"], first["perplexity"])
+                        == (again["calibration_ppl"], again["perplexity"]),
+                        "calibration_ppl": [first["calibration_ppl"], again["calibration_ppl"]]}
     return entry

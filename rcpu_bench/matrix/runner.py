@@ -38,9 +38,8 @@ from rcpu_bench.matrix.spec import (
     expand,
 )
 from rcpu_bench.matrix.store import (
-    FAILED,
-    OK,
     RECORDS,
+    Entry,
     Store,
     StoredResult,
     read_results,
@@ -126,9 +125,9 @@ class RunSummary:
     best_skipped: int = 0
     best_waiting: int = 0
 
-    def add(self, entry: dict[str, Any]) -> None:
-        ok = entry["status"] == OK
-        if entry.get("phase") == PHASE_LAMBDA_BEST:
+    def add(self, entry: Entry) -> None:
+        ok = entry.ok
+        if entry.phase == PHASE_LAMBDA_BEST:
             self.best_ok, self.best_failed = self.best_ok + ok, self.best_failed + (not ok)
         else:
             self.ok, self.failed = self.ok + ok, self.failed + (not ok)
@@ -145,17 +144,17 @@ class RunSummary:
                 f"skipped={self.best_skipped} waiting={self.best_waiting}")
 
 
-def _outcome(entry: dict[str, Any]) -> str:
+def _outcome(entry: Entry) -> str:
     """The perplexities of an ok entry, or the error type and first message line of a failed one; for a zero-shot
     run at λ_best, how many λ it was chosen from and whether the re-pruned model reproduced phase 1."""
-    if entry["status"] == FAILED:
-        error = entry["error"]
+    if not entry.ok:
+        error = entry.error or {"type": "error", "message": ""}
         return f"{error['type']}: {(error['message'].splitlines() or [''])[0]}"
-    record = entry["record"]
-    if entry.get("phase") == PHASE_LAMBDA_BEST:
-        first, again = entry["reproduced"]["calibration_ppl"]
-        same = "identical" if entry["reproduced"]["identical"] else f"NOT identical: calibration {first} vs {again}"
-        return f"zero-shot at λ_best of {len(entry['chosen_from'])} λ (re-pruned model {same})"
+    record = entry.record or {}
+    if entry.phase == PHASE_LAMBDA_BEST and entry.reproduced is not None:
+        first, again = entry.reproduced["calibration_ppl"]
+        same = "identical" if entry.reproduced["identical"] else f"NOT identical: calibration {first} vs {again}"
+        return f"zero-shot at λ_best of {len(entry.chosen_from or [])} λ (re-pruned model {same})"
     ppl = [f"{p['profile']} {p['ppl']:.3f}" for p in record["perplexity"]]
     calibration = record.get("calibration_ppl")  # None: skipped
     return ", ".join([*ppl, *([f"calibration {calibration:.3f}"] if calibration is not None else [])])
@@ -175,13 +174,13 @@ class Progress:
     def started(self, cell: Cell) -> None:
         self.bar.set_postfix_str(f"{self.summary.counts()} | {cell.describe()}")
 
-    def finished(self, entry: dict[str, Any]) -> None:
+    def finished(self, entry: Entry) -> None:
         self.bar.update()
         self.bar.set_postfix_str(self.summary.counts())
         if self.enabled:
-            cell = self.cells[entry["cell_id"]]
-            self.bar.write(f"[{entry['status']:>6}] {entry['cell_id']} {cell.describe()}: {_outcome(entry)} "
-                           f"({entry['seconds']:.1f} s)", file=sys.stdout)
+            cell = self.cells[entry.cell_id]
+            self.bar.write(f"[{entry.status:>6}] {entry.cell_id} {cell.describe()}: {_outcome(entry)} "
+                           f"({entry.seconds:.1f} s)", file=sys.stdout)
 
     def close(self) -> None:
         self.bar.close()
@@ -288,8 +287,7 @@ def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local",
     return summary
 
 
-def changed_cells(cells: Sequence[Cell], finished: dict[str, dict[str, Any]],
-                  fingerprints: Fingerprints) -> set[str]:
+def changed_cells(cells: Sequence[Cell], finished: dict[str, Entry], fingerprints: Fingerprints) -> set[str]:
     """Ids of the finished ``cells`` whose stored entry was computed from other content than the model and
     calibration data now at their paths (rcpu_bench.matrix.fingerprints): reported, and run again."""
     changed, unchecked = set(), 0
@@ -314,12 +312,12 @@ class _Phase:
     cell_runner: Executor
     registry: Registry
     summary: RunSummary
-    append: Callable[[dict[str, Any]], None]
+    append: Callable[[Entry], None]
     progress: bool
     fingerprints: Fingerprints
 
     def run(self, name: str, jobs: Sequence[tuple[Cell, Any]],
-            to_entry: Callable[[dict[str, Any], Any], dict[str, Any]]) -> None:
+            to_entry: Callable[[Entry, Any], Entry]) -> None:
         """Run the cell of each (cell, target) job; the store gets ``to_entry(entry, target)``, where the target
         is the matrix cell (phase 1) or the λ_best choice (phase 2)."""
         if not jobs:
@@ -329,10 +327,10 @@ class _Phase:
         with closing(shown), closing(self.cell_runner.run([cell for cell, _ in jobs], self.registry,
                                                           shown.started)) as entries:
             for run in entries:
-                target = targets[run["cell_id"]]
+                target = targets[run.cell_id]
                 entry = to_entry(run, target)
-                if entry["status"] == OK:
-                    entry["fingerprint"] = self._fingerprint(getattr(target, "cell", target))
+                if entry.ok:
+                    entry.fingerprint = self._fingerprint(getattr(target, "cell", target))
                 self.append(entry)
                 self.summary.add(entry)
                 shown.finished(entry)

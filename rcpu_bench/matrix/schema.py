@@ -1,4 +1,4 @@
-"""The matrix schema as data: each allowed key an :class:`rcpu_bench.options.Option`, and the readers.
+"""The matrix schema as data: each allowed key an :class:`rcpu_bench.declaration.Option`, and the readers.
 
 The keys that are declared options (:mod:`rcpu_bench.pruning.options`, :mod:`rcpu_bench.experiment_options`)
 are those options (:func:`option_key`): their help, default and check come from the declaration. The matrix's
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from rcpu_bench.options import Option
+from rcpu_bench.declaration import Option
 
 Reader = Callable[[str, Any], Any]
 REQUIRED = object()  # the default of a key that must be given

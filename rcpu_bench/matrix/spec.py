@@ -4,7 +4,7 @@ A matrix names models, methods, pruning ratios, calibration sizes and what to ev
 models × calibration sizes × methods × ratios, where a λ-grid method (ridge) counts once per λ and an
 ``ablation`` multiplies the methods by the modules compensated, plus one dense ``original`` cell per
 model (ratio 0) when ``include_dense`` is set. Every key in an example (their meanings and defaults:
-:data:`TOP_KEYS`; shipped matrices live in ``matrices/``)::
+:data:`TOP_KEYS`; shipped matrices live in ``matrix/shipped/``)::
 
     name: smoke                     # results go to results/<name> by default (default: the file's stem)
     models:                         # a local directory or a hub id; ${shared} is the shared fixtures dir
@@ -211,10 +211,12 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+SHIPPED = resources.files("rcpu_bench.matrix").joinpath("shipped")  # the matrices shipped with the package
+
+
 def shipped_matrices() -> list[str]:
-    """Names of the matrices shipped with the package (``rcpu_bench/matrices/*.yaml``)."""
-    return sorted(p.name.removesuffix(".yaml") for p in resources.files("rcpu_bench").joinpath("matrices").iterdir()
-                  if p.name.endswith(".yaml"))
+    """Names of the matrices shipped with the package (``rcpu_bench/matrix/shipped/*.yaml``)."""
+    return sorted(p.name.removesuffix(".yaml") for p in SHIPPED.iterdir() if p.name.endswith(".yaml"))
 
 
 def read_matrix(name_or_file: str) -> tuple[Any, str]:
@@ -223,7 +225,7 @@ def read_matrix(name_or_file: str) -> tuple[Any, str]:
     if path.is_file():
         text, stem = path.read_text(encoding="utf-8"), path.stem
     elif name_or_file in shipped_matrices():
-        text = resources.files("rcpu_bench").joinpath("matrices", f"{name_or_file}.yaml").read_text(encoding="utf-8")
+        text = SHIPPED.joinpath(f"{name_or_file}.yaml").read_text(encoding="utf-8")
         stem = name_or_file
     else:
         shipped = ", ".join(shipped_matrices())

@@ -9,14 +9,16 @@ leave at most a torn last line; the reader skips it and the writer cuts it off b
 never merges with the next entry. A lock on the file refuses a second writer. What SQLite would add
 (concurrent writers, queries) is not needed: the whole file is read once per run.
 
-An entry (read by the tables; keep the format)::
+An entry (:class:`Entry`; read by the tables: keep the format)::
 
     {"cell_id": "<16 hex>", "status": "ok" | "failed",
      "error": null | {"type", "message", "traceback"},
      "cell": {"matrix", "model", "model_label", "method", "method_label", "n_calib", "seqlen", "calib",
               "prune", "ppl_profiles", "eval", "revision", "dtype", "device", "eval_batch_size", "zeroshot_limit"},
      "record": <run_experiment's Record, as JSON> | null, "finished_at": ISO time, "seconds": float,
-     "fingerprint": {"model", "calibration"} (ok entries; rcpu_bench.matrix.fingerprints)}
+     "fingerprint": {"model", "calibration", "evaluation"} (ok entries; rcpu_bench.matrix.fingerprints),
+     and for a λ-grid cell's two phases (rcpu_bench.matrix.phases) "phase", "lambda_rule", "chosen_from",
+     "reproduced"}
 
 The ratio and λ of a cell are in its ``prune`` (``prune.ratio``, ``prune.compensator_params.lam``); stores
 written before kept copies of them as ``cell.ratio`` and ``cell.lam``, read when they agree
@@ -33,7 +35,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -70,13 +72,50 @@ def error_info(error: BaseException) -> dict[str, str]:
             "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__))}
 
 
+@dataclass
+class Entry:
+    """One line of a results store: a finished cell, ok with its record or failed with its error (module docstring).
+
+    ``record`` stays the record's JSON object (what the store holds and the tables read through
+    :class:`StoredResult`); the optional fields are written only when set, so entries keep their format."""
+
+    cell_id: str
+    status: str  # OK or FAILED
+    cell: dict[str, Any]
+    record: dict[str, Any] | None = None
+    error: dict[str, str] | None = None
+    seconds: float = 0.0
+    finished_at: str | None = None
+    fingerprint: dict[str, str] | None = None
+    phase: str | None = None
+    lambda_rule: str | None = None
+    chosen_from: list[str] | None = None
+    reproduced: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # keys of no field, kept as they were
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry's JSON object: the always-written keys, the optional ones that are set, then ``extra``."""
+        data = {k: v for k, v in asdict(self).items() if k != "extra"}
+        always = ("cell_id", "status", "error", "cell", "record", "finished_at", "seconds")
+        return {**{k: v for k, v in data.items() if k in always or v is not None}, **self.extra}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Entry:
+        """An entry from its JSON object (entries of any earlier store: missing optional keys read as unset)."""
+        names = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in data.items() if k in names},
+                   extra={k: v for k, v in data.items() if k not in names})
+
+
 def make_entry(cell: StoredCell, *, seconds: float, record: Record | None = None,
-               error: dict[str, str] | None = None) -> dict[str, Any]:
+               error: dict[str, str] | None = None) -> Entry:
     """The store entry of a finished cell: ok with its record, or failed with its error."""
-    return {"cell_id": cell.id, "status": FAILED if error else OK, "error": error, "cell": cell.to_dict(),
-            "record": None if record is None else record.to_json(),
-            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "seconds": seconds}
+    return Entry(cell.id, FAILED if error else OK, cell.to_dict(), None if record is None else record.to_json(),
+                 error, seconds, datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 
 class StoreBusyError(OSError):
@@ -90,22 +129,22 @@ class Store:
         self.dir = Path(results_dir)
         self.path = self.dir / RECORDS
 
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self) -> list[Entry]:
         """Every complete entry, oldest first (a torn last line and lines that are not entries are skipped)."""
         if not self.path.exists():
             return []
-        return [entry for _, entry in _numbered_entries(read_records(self.path), self.path)]
+        return [Entry.from_json(line) for _, line in _numbered_entries(read_records(self.path), self.path)]
 
-    def latest(self) -> dict[str, dict[str, Any]]:
+    def latest(self) -> dict[str, Entry]:
         """The newest entry of each cell id, in the order the newest entries were written."""
         return newest_entries(self.entries())
 
     def finished(self) -> set[str]:
         """Ids of the cells whose newest entry is ok: a resumed run skips them."""
-        return {cell_id for cell_id, entry in self.latest().items() if entry["status"] == OK}
+        return {cell_id for cell_id, entry in self.latest().items() if entry.ok}
 
     @contextmanager
-    def writing(self) -> Iterator[Callable[[dict[str, Any]], None]]:
+    def writing(self) -> Iterator[Callable[[Entry], None]]:
         """Lock the file and yield ``append(entry)``; a torn last line from a killed writer is cut first.
 
         The lock (flock, advisory, released by the kernel when the process dies) keeps a second run out.
@@ -119,9 +158,9 @@ class Store:
             self._cut_torn_tail()
             yield self.append
 
-    def append(self, entry: dict[str, Any]) -> None:
+    def append(self, entry: Entry) -> None:
         """Append one entry as a line and fsync it."""
-        append_record(self.path, entry)
+        append_record(self.path, entry.to_json())
 
     def _cut_torn_tail(self) -> None:
         if not self.path.exists():
@@ -149,11 +188,12 @@ class StoredResult:
     seconds: float
 
     @classmethod
-    def from_entry(cls, entry: dict[str, Any]) -> StoredResult:
-        """The result of a finished store entry (see the module docstring for the entry's format); an old cell's
-        copies of ρ and λ are checked against its ``prune`` and dropped (a ValueError when they disagree)."""
-        return cls(entry["cell_id"], stored_cell(entry["cell"]), Record.from_json(entry["record"]),
-                   entry.get("seconds", 0.0))
+    def from_entry(cls, entry: Entry) -> StoredResult:
+        """The result of a finished store entry; an old cell's copies of ρ and λ are checked against its ``prune``
+        and dropped (a ValueError when they disagree)."""
+        if entry.record is None:
+            raise ValueError(f"entry {entry.cell_id} has no record (status {entry.status})")
+        return cls(entry.cell_id, stored_cell(entry.cell), Record.from_json(entry.record), entry.seconds)
 
     @property
     def model_label(self) -> str:
@@ -223,7 +263,7 @@ def _result(entry: dict[str, Any], where: str) -> StoredResult:
         if missing:
             raise ValueError(f"{where}: entry {entry.get('cell_id')} has no {part} field {', '.join(missing)}")
     try:
-        return StoredResult.from_entry(entry)
+        return StoredResult.from_entry(Entry.from_json(entry))
     except ValueError as error:
         raise ValueError(f"{where}: entry {entry.get('cell_id')}: {error}") from None
 
@@ -241,7 +281,7 @@ def _numbered_entries(lines: list[Any], path: Path) -> list[tuple[int, dict[str,
     return entries
 
 
-def newest_entries(entries: Iterable[T], cell_id: Callable[[T], Any] = lambda entry: entry.get("cell_id")
+def newest_entries(entries: Iterable[T], cell_id: Callable[[T], Any] = lambda entry: entry.cell_id
                    ) -> dict[Any, T]:
     """The newest entry of each cell id (a later entry of a cell replaces its earlier ones), in the order the
     newest entries were written: the one rule by which a store's cells are read."""

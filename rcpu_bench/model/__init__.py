@@ -15,19 +15,12 @@ their signatures are kept stable (tests/test_adapter.py checks them):
   ``materialize(skeleton, directory, ..., sha256=...)`` (verifies it).
 """
 
+from rcpu_bench.atomic_file import file_sha256, write_atomically
 from rcpu_bench.model.adapter import check_architecture, decoder_layers, layer_view, model_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
 from rcpu_bench.model.loading import LoadedModel, dtype_argument, load_model, parameter_count, resolve_dtype
-from rcpu_bench.model.persistence import (
-    MANIFEST,
-    file_sha256,
-    load_pruned,
-    load_saved,
-    materialize,
-    recorded_sha256,
-    save_pruned,
-    write_atomically,
-)
+from rcpu_bench.model.manifest import MANIFEST, recorded_sha256
+from rcpu_bench.model.persistence import load_pruned, load_saved, materialize, save_pruned
 from rcpu_bench.model.views import MODULES, LayerGeometry, LayerView, ModelView
 from rcpu_bench.selection.select import UnitMap
 

@@ -15,7 +15,6 @@ family: subclass ``LayerView`` and ``ModelView`` and append the ``ModelView`` su
 from __future__ import annotations
 
 from torch import nn
-from transformers import PreTrainedModel
 
 from rcpu_bench.model import families
 from rcpu_bench.model.llama import views
@@ -73,7 +72,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model_view(model).layers
 
 
-def layer_geometries(model: PreTrainedModel) -> list[LayerGeometry]:
+def layer_geometries(model: nn.Module) -> list[LayerGeometry]:
     """The current geometry of every decoder layer."""
     return [view.geometry for view in model_view(model).views()]
 

@@ -18,9 +18,10 @@ time; a physically pruned one gets a ``ConfigOverride`` of that count.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, Protocol, cast
 
 from torch import Tensor, nn
 from transformers import PretrainedConfig
@@ -72,7 +73,7 @@ class ConfigOverride:
     implementation on the model still reaches the module.
     """
 
-    def __init__(self, config: PretrainedConfig, **overrides: Any):
+    def __init__(self, config: PretrainedConfig | ConfigOverride, **overrides: Any):
         shared = config.__dict__["_shared"] if isinstance(config, ConfigOverride) else config
         previous = config.__dict__["_overrides"] if isinstance(config, ConfigOverride) else {}
         self.__dict__.update(_shared=shared, _overrides={**previous, **overrides})
@@ -104,7 +105,35 @@ def _unknown_parameters(block: nn.Module, known: tuple[str, ...]) -> list[str]:
             if name not in known and any(True for _ in child.parameters())]
 
 
-def attention_heads(attn: nn.Module, family: Family = LLAMA) -> tuple[int, int]:
+class AttentionBlock(Protocol):
+    """What pruning reads and sets on a Llama-like attention block besides its producers: its output projection
+    and plain attributes, which nn.Module's typing does not see (``LlamaLikeLayer.problem`` checks the first two)."""
+
+    head_dim: int
+    num_key_value_groups: int
+    num_key_value_heads: int  # set only where the module keeps it
+    config: PretrainedConfig | ConfigOverride
+    o_proj: nn.Linear
+
+
+class MLPBlock(Protocol):
+    """What pruning reads and sets on a Llama-like MLP block besides its producers."""
+
+    down_proj: nn.Linear
+    intermediate_size: int  # set only where the module keeps it
+
+
+class DecoderStack(Protocol):
+    """``model.model`` of a Llama-like causal LM."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+
+def attention_heads(attn: AttentionBlock, family: Family = LLAMA) -> tuple[int, int]:
     """(query heads, key/value heads) of an attention block, from its rows over ``attn.head_dim``.
 
     A fused q|k|v projection has n_kv·(groups + 2) heads' rows, groups = ``attn.num_key_value_groups``.
@@ -120,13 +149,13 @@ def attention_heads(attn: nn.Module, family: Family = LLAMA) -> tuple[int, int]:
     return n_kv_heads * attn.num_key_value_groups, n_kv_heads
 
 
-def mlp_channels(mlp: nn.Module, family: Family = LLAMA) -> int:
+def mlp_channels(mlp: MLPBlock, family: Family = LLAMA) -> int:
     """Intermediate channels of an MLP block: the gate rows (half of a fused gate|up projection's)."""
     rows = getattr(mlp, family.mlp_producers[0]).out_features
     return rows // 2 if len(family.mlp_producers) == 1 else rows
 
 
-def prune_attention(attn: nn.Module, kept_heads: Tensor, kept_kv_heads: Tensor, o_weight: Tensor,
+def prune_attention(attn: AttentionBlock, kept_heads: Tensor, kept_kv_heads: Tensor, o_weight: Tensor,
                     o_bias: Tensor | None = None, *, family: Family = LLAMA, physical: bool = True) -> None:
     """Keep query heads ``kept_heads`` and kv heads ``kept_kv_heads`` of an attention block.
 
@@ -150,13 +179,13 @@ def prune_attention(attn: nn.Module, kept_heads: Tensor, kept_kv_heads: Tensor, 
             attn.config = ConfigOverride(attn.config, num_attention_heads=len(kept_heads))
 
 
-def mask_attention(attn: nn.Module, kept_heads: Tensor, kept_kv_heads: Tensor, o_weight: Tensor,
+def mask_attention(attn: AttentionBlock, kept_heads: Tensor, kept_kv_heads: Tensor, o_weight: Tensor,
                    o_bias: Tensor | None = None, *, family: Family = LLAMA) -> None:
     """Same-shape counterpart of ``prune_attention``: zero the pruned q/k/v rows and o_proj columns."""
     prune_attention(attn, kept_heads, kept_kv_heads, o_weight, o_bias, family=family, physical=False)
 
 
-def prune_mlp(mlp: nn.Module, kept: Tensor, down_weight: Tensor, down_bias: Tensor | None = None, *,
+def prune_mlp(mlp: MLPBlock, kept: Tensor, down_weight: Tensor, down_bias: Tensor | None = None, *,
               family: Family = LLAMA, physical: bool = True) -> None:
     """Keep intermediate channels ``kept``: gate/up rows (inside a fused gate|up: ``surgery.stacked``),
     down_proj d_out × len(kept) = ``down_weight``; ``physical=False`` zeroes instead of removing."""
@@ -169,7 +198,7 @@ def prune_mlp(mlp: nn.Module, kept: Tensor, down_weight: Tensor, down_bias: Tens
         mlp.intermediate_size = len(kept)
 
 
-def mask_mlp(mlp: nn.Module, kept: Tensor, down_weight: Tensor, down_bias: Tensor | None = None, *,
+def mask_mlp(mlp: MLPBlock, kept: Tensor, down_weight: Tensor, down_bias: Tensor | None = None, *,
              family: Family = LLAMA) -> None:
     """Same-shape counterpart of ``prune_mlp``: zero the pruned gate/up rows and down_proj columns."""
     prune_mlp(mlp, kept, down_weight, down_bias, family=family, physical=False)
@@ -194,7 +223,8 @@ class LlamaLikeLayer(LayerView):
             problem = _linear_problem(block, block_name, names)
             if problem:
                 return problem
-            extra = _unknown_parameters(block, (*names, *(family.head_norms if module == "attention" else ())))
+            extra = _unknown_parameters(cast(nn.Module, block),  # not None: it has the linears
+                                        (*names, *(family.head_norms if module == "attention" else ())))
             if extra:
                 what = "a mixture of experts" if module == "mlp" else "parameters this family does not know"
                 return f"{block_name} has {', '.join(extra)} ({what})"
@@ -205,7 +235,7 @@ class LlamaLikeLayer(LayerView):
         unknown_norms = sorted(name for name in children - set(family.parts) if "norm" in name)
         if unknown_norms:
             return f"norms {', '.join(unknown_norms)} that {family.name} does not have"
-        attn = layer.self_attn
+        attn = cast(AttentionBlock, layer.self_attn)
         if not all(hasattr(attn, a) for a in ("head_dim", "num_key_value_groups")):
             return "self_attn has no head_dim / num_key_value_groups attributes"
         if family.head_pruning_refused is None:
@@ -217,6 +247,14 @@ class LlamaLikeLayer(LayerView):
 
     def block(self, module: str) -> nn.Module:
         return getattr(self.layer, BLOCKS[check_module(module)])
+
+    @property
+    def _attention(self) -> AttentionBlock:
+        return cast(AttentionBlock, self.layer.self_attn)
+
+    @property
+    def _mlp(self) -> MLPBlock:
+        return cast(MLPBlock, self.layer.mlp)
 
     def producers(self, module: str) -> tuple[nn.Linear, ...]:
         block = self.block(module)
@@ -237,18 +275,18 @@ class LlamaLikeLayer(LayerView):
     @property
     def geometry(self) -> LayerGeometry:
         """Heads from the attention's q/k rows (``attention_heads``), channels from the MLP's gate rows."""
-        attn = self.layer.self_attn
+        attn = self._attention
         n_heads, n_kv_heads = attention_heads(attn, self.FAMILY)
-        return LayerGeometry(n_heads, n_kv_heads, attn.head_dim, mlp_channels(self.layer.mlp, self.FAMILY))
+        return LayerGeometry(n_heads, n_kv_heads, attn.head_dim, mlp_channels(self._mlp, self.FAMILY))
 
     def prune_heads(self, kept_heads: Tensor, kept_kv_heads: Tensor, weight: Tensor, bias: Tensor | None = None,
                     *, physical: bool = True) -> None:
-        prune_attention(self.layer.self_attn, kept_heads, kept_kv_heads, weight, bias, family=self.FAMILY,
+        prune_attention(self._attention, kept_heads, kept_kv_heads, weight, bias, family=self.FAMILY,
                         physical=physical)
 
     def prune_channels(self, kept: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                        physical: bool = True) -> None:
-        prune_mlp(self.layer.mlp, kept, weight, bias, family=self.FAMILY, physical=physical)
+        prune_mlp(self._mlp, kept, weight, bias, family=self.FAMILY, physical=physical)
 
 
 class LlamaLikeModel(ModelView):
@@ -276,29 +314,33 @@ class LlamaLikeModel(ModelView):
         return self.FAMILY
 
     @property
+    def _base(self) -> DecoderStack:
+        return cast(DecoderStack, self.model.model)
+
+    @property
     def layers(self) -> nn.ModuleList:
-        return self.model.model.layers
+        return self._base.layers
 
     @property
     def embeddings(self) -> nn.Embedding:
-        return self.model.model.embed_tokens
+        return self._base.embed_tokens
 
     @property
     def front(self) -> list[nn.Module]:
-        base = self.model.model
+        base = self._base
         return [base.embed_tokens, *(m for name, m in base.named_children() if name.startswith("rotary_emb"))]
 
     @property
     def final_norm(self) -> nn.Module:
-        return self.model.model.norm
+        return self._base.norm
 
     @final_norm.setter
     def final_norm(self, norm: nn.Module) -> None:
-        self.model.model.norm = norm
+        self._base.norm = norm
 
     @property
     def lm_head(self) -> nn.Linear:
-        return self.model.lm_head
+        return cast(nn.Linear, self.model.lm_head)
 
 
 @cache

@@ -215,11 +215,12 @@ def load_model(name_or_path: str, *, dtype: str = DEFAULT_DTYPE, device: str = D
     model = AutoModelForCausalLM.from_pretrained(source, config=config, revision=pinned,
                                                  trust_remote_code=trust_remote_code, **dtype_argument(torch_dtype))
     check_parameters(model, f"model {name_or_path}")
-    model = model.to(torch_device).eval()
+    # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+    model = model.to(torch_device).eval()  # type: ignore[arg-type]
     tokenizer = load_tokenizer(source, pinned, trust_remote_code=trust_remote_code)
-    provenance = {"name_or_path": name_or_path, "revision": revision, "commit_hash": commit,
-                  "dtype": dtype, "device": device, "config_class": type(config).__name__,
-                  "model_class": type(model).__name__}
+    provenance: dict[str, Any] = {"name_or_path": name_or_path, "revision": revision, "commit_hash": commit,
+                                  "dtype": dtype, "device": device, "config_class": type(config).__name__,
+                                  "model_class": type(model).__name__}
     converted = real_models.provenance(source)
     if converted is not None:
         provenance["real_model"] = converted

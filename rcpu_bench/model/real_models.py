@@ -252,7 +252,8 @@ def _dequantize(gguf: Path, directory: Path, *, name: str) -> None:
     settings["_name_or_path"] = name
     config = type(quantized.config).from_dict(settings)
     config.architectures = [type(quantized).__name__]
-    model = type(quantized)(config).to(torch.float32)
+    # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+    model = type(quantized)(config).to(torch.float32)  # type: ignore[arg-type]
     model.load_state_dict(quantized.state_dict())
     del quantized
     model.save_pretrained(directory)

@@ -20,6 +20,7 @@ dtype and device of the module they replace.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -73,7 +74,9 @@ def _set_linear(linear: nn.Linear, weight: Tensor, bias: Tensor | None) -> None:
     requires_grad = linear.weight.requires_grad
     linear.weight = nn.Parameter(weight.detach(), requires_grad=requires_grad)
     if bias is not linear.bias:
-        linear.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=requires_grad)
+        # torch types Linear.bias as a Parameter, but a Linear built with bias=False holds None
+        new_bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=requires_grad)
+        linear.bias = new_bias  # type: ignore[assignment]
     linear.out_features, linear.in_features = weight.shape
 
 
@@ -94,7 +97,7 @@ def _set_columns(linear: nn.Linear, columns: Selection, weight: Tensor, bias: Te
                          "(output rows × kept input columns, in kept order)")
     if bias is not None and tuple(bias.shape) != (linear.out_features,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({linear.out_features},)")
-    like = dict(dtype=linear.weight.dtype, device=linear.weight.device)
+    like: dict[str, Any] = dict(dtype=linear.weight.dtype, device=linear.weight.device)
     weight = weight.to(**like, copy=True)
     if not physical:
         weight = weight.new_zeros(linear.weight.shape).index_copy(1, columns.kept.to(weight.device), weight)

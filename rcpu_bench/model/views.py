@@ -47,10 +47,14 @@ class LayerView(ABC):
     """One decoder layer seen through its family: projections, geometry, units, and the removal of units."""
 
     PROJECTIONS: dict[str, str]  # module → attribute name of its consumer, e.g. {"attention": "o_proj", ...}
-    PARTS: tuple[str, ...]  # the names of a plain layer's children (its blocks and norms)
 
     def __init__(self, layer: nn.Module):
         self.layer = layer
+
+    @property
+    @abstractmethod
+    def PARTS(self) -> tuple[str, ...]:
+        """The names of a plain layer's children (its blocks and norms)."""
 
     @classmethod
     @abstractmethod

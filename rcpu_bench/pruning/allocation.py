@@ -17,7 +17,7 @@ model allocation returns units per layer and module (checked by :func:`counts_pr
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +29,8 @@ from rcpu_bench.selection.select import Rounding, Selection, UnitMap, n_pruned
 __all__ = ["AL_AM", "AL_AM_SCORER", "UNIFORM", "Unit", "al_am", "counts_problem", "layer_units", "log_increase",
            "uniform", "units_to_prune"]
 # AL-AM needs a score per unit; a selector (OBS) has none, so its per-layer counts come from FLAP's own score.
-AL_AM, UNIFORM = "al-am", "uniform"  # the allocations the pipeline computes itself
+AL_AM: Final = "al-am"  # the allocations the pipeline computes itself (Final: typed as their literal values)
+UNIFORM: Final = "uniform"
 AL_AM_SCORER = "flap-wifv"
 
 
@@ -85,7 +86,7 @@ class Unit(NamedTuple):
     cost: float
     layer: int
     module: str
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, which no caller uses
 
 
 def layer_units(layer: nn.Module, index: int, module: str, scores: Tensor, gqa_rule: str) -> list[Unit]:

@@ -15,10 +15,11 @@ and the report records both counts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
+from transformers import PretrainedConfig
 
 from rcpu_bench.model.adapter import decoder_layers, layer_view
 from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
@@ -83,6 +84,12 @@ def block_influence(model: nn.Module, calib_ids: Tensor) -> Tensor:
     return torch.stack(scores)
 
 
+class _CacheIndexed(Protocol):
+    """A module with a KV-cache index (the attention block's ``layer_idx``)."""
+
+    layer_idx: int
+
+
 def remove_layers(model: nn.Module, removed: list[int]) -> None:
     """Delete decoder layers in place; renumber the rest (attention ``layer_idx``) and the config's layer count."""
     layers = decoder_layers(model)
@@ -90,9 +97,9 @@ def remove_layers(model: nn.Module, removed: list[int]) -> None:
     for index, layer in enumerate(kept):
         for module in layer.modules():  # the attention block's cache index, whatever the family calls it
             if hasattr(module, "layer_idx"):
-                module.layer_idx = index
-    model.model.layers = nn.ModuleList(kept)
-    config = model.config
+                cast(_CacheIndexed, module).layer_idx = index
+    cast(nn.Module, model.model).layers = nn.ModuleList(kept)
+    config = cast(PretrainedConfig, model.config)
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = [t for i, t in enumerate(config.layer_types) if i not in set(removed)]
     config.num_hidden_layers = len(kept)

@@ -1,6 +1,6 @@
 """The options of a pruning run, each declared once (:data:`OPTIONS`), and what is derived from the declaration.
 
-An :class:`rcpu_bench.options.Option` (the mechanism shared with :mod:`rcpu_bench.experiment_options`) holds a
+An :class:`rcpu_bench.declaration.Option` (the mechanism shared with :mod:`rcpu_bench.experiment_options`) holds a
 :class:`PruneConfig` field's name, default, kind of value (which fixes how it is parsed and checked), allowed
 choices, help text, whether it enters a cell id always or only when set away from its default (options added
 after results were stored, so that stored ids stay valid) and whether it
@@ -18,10 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_type_hints
 
+from rcpu_bench.declaration import Kind, Option, add_argument
+from rcpu_bench.declaration import markdown_table as options_table
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.views import MODULES
-from rcpu_bench.options import Kind, Option, add_argument
-from rcpu_bench.options import markdown_table as options_table
 from rcpu_bench.pruning import depth
 from rcpu_bench.pruning.allocation import AL_AM, UNIFORM
 from rcpu_bench.selection.select import Rounding, kept_multiple, n_pruned
@@ -216,7 +216,8 @@ class PruneConfig:
     def unpruned_modules(self, geometries: Sequence[LayerGeometry]) -> list[str]:
         """The modules asked to be pruned that lose no unit in any layer at this ratio (⌊ρ·n⌋ = 0 everywhere), under
         a uniform per-layer ratio; other allocations and whole-model methods choose their own counts."""
-        if self.model_method is not None or self.structure != "uniform" or self.allocation != UNIFORM:
+        if (self.ratio == 0 or self.model_method is not None or self.structure != "uniform"
+                or self.allocation != UNIFORM):
             return []
         return [module for module in self.prune
                 if all(n_pruned(selection_units(g, module, self.gqa_rule)[0], self.ratio, self.rounding) == 0

@@ -64,8 +64,8 @@ from rcpu_bench.pruning.allocation import units_to_prune
 from rcpu_bench.selection.select import Selection
 
 if TYPE_CHECKING:
+    from rcpu_bench.pruning.allocation_pass import AllocationTask
     from rcpu_bench.pruning.options import PruneConfig
-    from rcpu_bench.pruning.pipeline import AllocationTask
 
 Genome = tuple[int, ...]  # one level per slot, in slot order
 ATTEMPTS = 20  # mutations drawn per offspring wanted: a small grid may have fewer distinct offspring
@@ -282,7 +282,9 @@ def _load_state(linears: Sequence[nn.Linear], state: list[tuple[Tensor, Tensor |
     for linear, (weight, bias) in zip(linears, state, strict=True):
         device, dtype, grad = linear.weight.device, linear.weight.dtype, linear.weight.requires_grad
         linear.weight = nn.Parameter(weight.to(device, dtype), requires_grad=grad)
-        linear.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=grad)
+        # torch types Linear.bias as a Parameter, but a Linear built with bias=False holds None
+        new_bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=grad)
+        linear.bias = new_bias  # type: ignore[assignment]
 
 
 def _candidate(task: AllocationTask, view: LayerView, module: str, stats: Any, count: int) -> dict[str, Tensor | None]:

@@ -76,7 +76,7 @@ SCOPE = {frozenset({"mlp"}): " [MLP channels only]", frozenset({"attention"}): "
 
 def scale_void(result: StoredResult) -> bool:
     """Whether a module's post-norm divided out the compensator's scale (``scale_void`` in the record's module
-    reports, ``rcpu_bench.pruning.pipeline.post_norm_notes``): e.g. Gemma's scaled-procrustes is procrustes."""
+    reports, ``rcpu_bench.pruning.layer_pass.post_norm_notes``): e.g. Gemma's scaled-procrustes is procrustes."""
     return any(report.get("scale_void") for layer in result.record.layers or []
                for report in layer.values() if isinstance(report, dict))
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from rcpu_bench import default_registry
+from rcpu_bench import PruneConfig, default_registry
 from rcpu_bench.evaluation.perplexity import perplexity
 from rcpu_bench.experiment import Experiment, run_experiment
 from rcpu_bench.model.persistence import load_saved
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.pruning.methods import label_of
-from rcpu_bench.pruning.pipeline import PruneConfig
 
 
 @pytest.mark.slow

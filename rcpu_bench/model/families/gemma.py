@@ -7,9 +7,17 @@ s*) has no effect there: the pipeline records it (``rcpu_bench.pruning.pipeline`
 query scalar act per head; Gemma-3's q/k norms are per head.
 """
 
+from typing import TypedDict
+
 from rcpu_bench.model.llama import Family
 
-_SANDWICH = dict(pre_norms=("input_layernorm", "pre_feedforward_layernorm"),
-                 post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+
+class _Norms(TypedDict):
+    pre_norms: tuple[str, ...]
+    post_norms: tuple[str, ...]
+
+
+_SANDWICH = _Norms(pre_norms=("input_layernorm", "pre_feedforward_layernorm"),
+                   post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
 GEMMA2 = Family("Gemma2", ("gemma2",), **_SANDWICH)
 GEMMA3 = Family("Gemma3", ("gemma3_text",), head_norms=("q_norm", "k_norm"), **_SANDWICH)
