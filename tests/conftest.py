@@ -1,16 +1,20 @@
 """Every test runs offline (any accidental Hugging Face hub access fails fast instead of retrying), sees the
 built-in methods only (``registries.with_plugins`` opts a test in to chosen plugins), and shares one load of the
-stories260K fixture models (``stories_260k``: tests that change a model change a copy)."""
+stories260K fixture models (``stories_260k``: tests that change a model change a copy). Property tests have no
+deadline: speed is measured by the benchmarks, and a busy machine must not fail a correct example."""
 
 import os
 
 import pytest
+from hypothesis import settings
 from tiny_models import STORIES, STORIES_MHA
 
 from rcpu_bench.plugins import DISABLE_AUTOLOAD
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+settings.register_profile("no-deadline", deadline=None)
+settings.load_profile("no-deadline")
 
 
 @pytest.fixture(autouse=True)

@@ -218,6 +218,21 @@ def test_a_method_without_a_lambda_grid_needs_no_holdout_errors():
     assert grid(table) == [("RCPU (Rot.)", 0.1, 13.55)] and "lambda_best" not in table.title
 
 
+def test_a_single_lambda_run_is_shown_as_no_choice():
+    entries = [*ridge_grid(None), entry("ls-best", 0.2, 16.0, lam=1.0, calibration_ppl=11.0)]
+    (table,) = tables_of(entries, "ppl")
+    assert [row[-1] for row in grid(table)] == [1e-2, "1e+00, no grid"]
+    assert "| 1e+00, no grid |" in render([table], "md").replace("  ", "")
+
+
+def test_the_scope_mark_is_on_width_pruned_rows_only():
+    mlp_only = {"prune": ["mlp"], "compensate": ["attention", "mlp"]}
+    entries = [entry("original", 0.0, 12.0, prune=mlp_only), entry("flap", 0.2, 15.0, prune=mlp_only),
+               entry("shortgpt", 0.2, 30.0, prune={**mlp_only, "model_method": "shortgpt"})]
+    (table,) = tables_of(entries, "ppl")
+    assert [row[0] for row in grid(table)] == ["Original", "FLAP [MLP channels only]", "ShortGPT"]
+
+
 @given(st.integers(min_value=1, max_value=9), st.integers(min_value=-12, max_value=12))
 def test_latex_lambda_is_the_same_number_as_math(mantissa, exponent):
     lam = mantissa * 10.0**exponent

@@ -34,10 +34,12 @@ _LAMBDA_FIELDS = ("prune.compensator_params.lam",)
 
 @dataclass(frozen=True)
 class Chosen:
-    """The stored run chosen for one place, with its ridge λ (None for other methods)."""
+    """The stored run chosen for one place, with its ridge λ (None for other methods) and how many λ runs it was
+    chosen from (1: no grid, e.g. a fixed damping or a grid not yet run through)."""
 
     result: StoredResult
     lam: float | None
+    compared: int = 1
 
 
 def lambda_score(result: StoredResult, rule: str) -> float:
@@ -80,7 +82,7 @@ def choose(where: Hashable, results: Sequence[StoredResult], rule: str = DEFAULT
         raise ValueError(f"two different experiments for the same place {where}: cells {first.cell_id} and "
                          f"{second.cell_id} differ in {', '.join(_differences(first, second))}")
     best = runs[0] if len(runs) == 1 else min(runs, key=lambda run: (lambda_score(run, rule), run.lam or 0.0))
-    return Chosen(best, best.lam)
+    return Chosen(best, best.lam, compared=len(runs))
 
 
 def _flat(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

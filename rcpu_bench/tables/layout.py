@@ -82,9 +82,11 @@ def scale_void(result: StoredResult) -> bool:
 
 
 def _marked(label: str, result: StoredResult) -> str:
-    """The row label, marked when the run prunes one module only (``SCOPE``) and when it is not the distinct method
-    its name says (``scale_void``)."""
-    label += SCOPE.get(frozenset(result.prune["prune"]), "")
+    """The row label, marked when the run prunes heads or channels of one module only (``SCOPE``; not the dense
+    model, nor a method removing layers or slicing the hidden size, which ``prune`` does not steer) and when it is
+    not the distinct method its name says (``scale_void``)."""
+    if result.ratio > 0 and result.prune.get("model_method") is None:
+        label += SCOPE.get(frozenset(result.prune["prune"]), "")
     return label + SCALE_VOID if scale_void(result) else label
 
 
@@ -242,5 +244,14 @@ def _theirs(paper: Reference, kind: str, slot: Slot, metric: str) -> Getter:
     return lambda row: paper.value(kind, slot, row, metric)
 
 
+NO_GRID = "{:.0e}, no grid"  # a λ not chosen: the only λ run of its place
+
+
 def _lam(found: Mapping[RowKey, Chosen]) -> Getter:
-    return lambda row: found[row].lam if row in found else None
+    """λ_best where a grid was compared; the one λ, said to be no choice, where a place has a single λ run."""
+    def get(row: RowKey) -> float | str | None:
+        chosen = found.get(row)
+        if chosen is None or chosen.lam is None:
+            return None
+        return chosen.lam if chosen.compared > 1 else NO_GRID.format(chosen.lam)
+    return get
