@@ -15,13 +15,11 @@ from typing import Any
 
 from rcpu_bench import data, experiment_options
 from rcpu_bench.compensation import diagnostics
-from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
+from rcpu_bench.evaluation import perplexity
 from rcpu_bench.evaluation.generation import text_sample
 from rcpu_bench.evaluation.speed import inference_speed
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import (
-    DEFAULT_DEVICE,
-    DEFAULT_DTYPE,
     LoadedModel,
     check_device,
     load_config,
@@ -41,6 +39,7 @@ from rcpu_bench.records import Record, environment, library_versions
 from rcpu_bench.registry import Registry
 
 DEFAULT_CALIB = "tinystories:128x128"
+DEFAULT_PPL_PROFILES = ("rcpu128",)
 # Measurements a run may leave out of its record (the matrix key ``skip``): the perplexity on the calibration windows
 # (the λ rule's input, so λ-grid cells keep it), the inference speed, and the greedy text sample.
 SKIPPABLE = ("calibration-ppl", "speed", "sample")
@@ -55,12 +54,12 @@ class Experiment:
     model: str = field(default_factory=default_model)
     prune: PruneConfig = field(default_factory=PruneConfig)
     calib: str = DEFAULT_CALIB
-    ppl_profiles: tuple[str, ...] = ("rcpu128",)
-    revision: str | None = None
-    trust_remote_code: bool = False
-    dtype: str = DEFAULT_DTYPE
-    device: str = DEFAULT_DEVICE
-    eval_batch_size: int = EVAL_BATCH_SIZE
+    ppl_profiles: tuple[str, ...] = DEFAULT_PPL_PROFILES
+    revision: str | None = experiment_options.default("revision")
+    trust_remote_code: bool = experiment_options.default("trust_remote_code")
+    dtype: str = experiment_options.default("dtype")
+    device: str = experiment_options.default("device")
+    eval_batch_size: int = experiment_options.default("eval_batch_size")
     data_dir: str | None = None
     save_dir: str | None = None
     skip: tuple[str, ...] = ()  # of SKIPPABLE

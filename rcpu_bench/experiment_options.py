@@ -2,14 +2,16 @@
 :class:`rcpu_bench.declaration.Option`, the mechanism of the pruning options.
 
 From the declaration come the flags of the commands that take them (:func:`add_arguments`: one default and one help
-everywhere), the matrix keys and their checks (:func:`rcpu_bench.matrix.schema.option_key`) and the README's
-table (:func:`markdown_table`).
+everywhere), the defaults of :class:`rcpu_bench.experiment.Experiment`'s fields (:func:`default`), the matrix keys and
+their checks (:func:`rcpu_bench.matrix.schema.option_key`) and the README's table (:func:`markdown_table`).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Iterable
+from dataclasses import field
+from typing import Any
 
 from rcpu_bench.declaration import Option, add_argument
 from rcpu_bench.declaration import markdown_table as options_table
@@ -30,6 +32,11 @@ OPTIONS: tuple[Option, ...] = (
 )
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 MODEL = ("revision", "trust_remote_code", "dtype", "device")  # what every command that loads a model takes
+
+
+def default(name: str) -> Any:
+    """A dataclass field whose default is the declared default of the option ``name``."""
+    return field(default=BY_NAME[name].default)
 
 
 def add_arguments(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:

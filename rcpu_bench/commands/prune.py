@@ -16,7 +16,7 @@ from functools import partial
 from rcpu_bench import experiment_options, paths
 from rcpu_bench.commands import INPUT_ERRORS, command, export
 from rcpu_bench.data import parse_calib
-from rcpu_bench.experiment import DEFAULT_CALIB, Experiment, run_experiment
+from rcpu_bench.experiment import DEFAULT_CALIB, DEFAULT_PPL_PROFILES, Experiment, run_experiment
 from rcpu_bench.model.loading import model_source
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import check_not_input, check_output_file, default_model
@@ -24,8 +24,6 @@ from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import options
 from rcpu_bench.records import Record, append_record
 from rcpu_bench.registry import Method, PluginContractError
-
-DEFAULT_PPL = "rcpu128"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration data SOURCE[:NxSEQLEN][:seed=S]; sources wikitext2, tinystories, file:PATH")
     p.add_argument("--ppl", action="append", default=None, metavar="PROFILE",
                    help="perplexity profile(s): rcpu128, std2048, tinystories, tinystories[START:STOP] "
-                        f"(default: {DEFAULT_PPL})")
+                        f"(default: {', '.join(DEFAULT_PPL_PROFILES)})")
     experiment_options.add_arguments(p, ["eval_batch_size"])
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--save", metavar="DIR", help="save the pruned model (safetensors + shape manifest)")
@@ -109,8 +107,8 @@ def method_failure(error: BaseException) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Run the experiment and print its summary."""
     experiment = Experiment(model=args.model or default_model(), prune=options.from_args(args), calib=args.calib,
-                            ppl_profiles=tuple(args.ppl or [DEFAULT_PPL]), revision=args.revision, dtype=args.dtype,
-                            device=args.device, trust_remote_code=args.trust_remote_code,
+                            ppl_profiles=tuple(args.ppl or DEFAULT_PPL_PROFILES), revision=args.revision,
+                            dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                             eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
     check_destinations(experiment, args)
     # Validated whole before any work; the record is appended before the save, so a failing save keeps it.

@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from rcpu_bench.evaluation import EVAL_BATCH_SIZE
+from rcpu_bench import experiment_options
 from rcpu_bench.experiment import Experiment
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.pruning import options
@@ -68,7 +68,7 @@ class Cell:
     eval: tuple[str, ...] = _role("request")
     dtype: str = _role("run")
     device: str = _role("execution")
-    eval_batch_size: int = _role("execution", default=EVAL_BATCH_SIZE)
+    eval_batch_size: int = _role("execution", default=experiment_options.BY_NAME["eval_batch_size"].default)
     zeroshot_limit: int | None = _role("run", unset=None, default=None)
     skip: tuple[str, ...] = _role("request", unset=[], default=())  # measurements left out (Experiment.skip)
 
@@ -94,9 +94,12 @@ class Cell:
         return options.from_dict(self.prune)
 
     def experiment(self) -> Experiment:
-        return Experiment(model=expand_shared(self.model), prune=self.prune_config(), calib=self.calib,
-                          ppl_profiles=self.ppl_profiles, revision=self.revision, dtype=self.dtype, device=self.device,
-                          eval_batch_size=self.eval_batch_size, skip=tuple(self.skip))
+        """The cell's experiment: the fields the two share by name, with the model's ``${shared}`` expanded and the
+        prune options as a PruneConfig."""
+        names = {f.name for f in fields(self)}
+        shared = {f.name: getattr(self, f.name) for f in fields(Experiment) if f.name in names}
+        return Experiment(**{**shared, "model": expand_shared(self.model), "prune": self.prune_config(),
+                             "skip": tuple(self.skip)})
 
     def method_name(self) -> str:
         """The method's label, with the compensated modules when not all of them (the ablation)."""

@@ -55,8 +55,8 @@ import yaml
 
 from rcpu_bench import experiment_options
 from rcpu_bench.compensation.compensators import LAMBDA_GRID
-from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
-from rcpu_bench.experiment import SKIPPABLE
+from rcpu_bench.evaluation import perplexity
+from rcpu_bench.experiment import DEFAULT_PPL_PROFILES, SKIPPABLE
 from rcpu_bench.matrix.cells import SHARED, Cell, derived
 from rcpu_bench.matrix.entries import (
     DENSE,
@@ -86,7 +86,6 @@ from rcpu_bench.matrix.schema import (
     read_keys,
     text,
 )
-from rcpu_bench.model.loading import DEFAULT_DEVICE, DEFAULT_DTYPE
 from rcpu_bench.pruning.methods import CUSTOM, RECIPES, method_label, recipe_of
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.registry import Registry
@@ -138,7 +137,7 @@ TOP_KEYS = (
     matrix_key("lambdas", listed(_lambda), "the λ grid of λ-grid methods", LAMBDA_GRID),
     matrix_key("eval", listed(choice(EVALS)), "what to evaluate: ppl, zeroshot (lm-eval), speed-llama-cpp (llama.cpp "
                "tokens/s of a temporary GGUF export, CPU, batch 1)", ("ppl",)),
-    matrix_key("ppl_profiles", listed(checked(perplexity.get_profile)), "perplexity profiles", ("rcpu128",)),
+    matrix_key("ppl_profiles", listed(checked(perplexity.get_profile)), "perplexity profiles", DEFAULT_PPL_PROFILES),
     matrix_key("include_dense", flag, "add one dense (original) cell per model", False),
     *(option_key(experiment_options.BY_NAME[name]) for name in ("dtype", "device", "eval_batch_size",
                                                                  "zeroshot_limit")),
@@ -157,27 +156,34 @@ def key_table() -> str:
     return markdown_table(TOP_KEYS)
 
 
+def _key_default(name: str) -> Any:
+    """A Matrix field whose default is that of the key ``name`` in :data:`TOP_KEYS` (a mapping copied per matrix)."""
+    default = next(key.default for key in TOP_KEYS if key.name == name)
+    return field(default_factory=lambda: dict(default)) if isinstance(default, dict) else field(default=default)
+
+
 @dataclass(frozen=True)
 class Matrix:
-    """A validated matrix; ``expand`` turns it into cells."""
+    """A validated matrix; ``expand`` turns it into cells. Each field is the key of the same name in :data:`TOP_KEYS`
+    (``compensate``: the key ``ablation``), which says what it means and gives its default."""
 
     name: str
     models: tuple[ModelSpec, ...]
     methods: tuple[MethodEntry, ...]
     ratios: tuple[float, ...]
     calib: CalibGrid
-    lambdas: tuple[float, ...] = LAMBDA_GRID
-    eval: tuple[str, ...] = ("ppl",)
-    ppl_profiles: tuple[str, ...] = ("rcpu128",)
-    include_dense: bool = False
-    dtype: str = DEFAULT_DTYPE
-    device: str = DEFAULT_DEVICE
-    eval_batch_size: int = EVAL_BATCH_SIZE  # sequences per perplexity batch; does not change the result
-    zeroshot_limit: int | None = None  # examples per zero-shot task (None: all), for quick runs
-    zeroshot_ratios: tuple[float, ...] | None = None  # the ratios evaluated zero-shot (None: all of them)
-    skip: tuple[str, ...] = ()  # measurements the cells leave out (experiment.SKIPPABLE)
-    prune: dict[str, Any] = field(default_factory=dict)  # options for every method
-    compensate: tuple[str, ...] = ()  # ablation variants (COMPENSATE_VARIANTS keys); () = no ablation
+    lambdas: tuple[float, ...] = _key_default("lambdas")
+    eval: tuple[str, ...] = _key_default("eval")
+    ppl_profiles: tuple[str, ...] = _key_default("ppl_profiles")
+    include_dense: bool = _key_default("include_dense")
+    dtype: str = _key_default("dtype")
+    device: str = _key_default("device")
+    eval_batch_size: int = _key_default("eval_batch_size")
+    zeroshot_limit: int | None = _key_default("zeroshot_limit")
+    zeroshot_ratios: tuple[float, ...] | None = _key_default("zeroshot_ratios")
+    skip: tuple[str, ...] = _key_default("skip")
+    prune: dict[str, Any] = _key_default("prune")
+    compensate: tuple[str, ...] = _key_default("ablation")
 
 
 def parse_matrix(raw: Any, default_name: str = "matrix") -> Matrix:
