@@ -13,7 +13,6 @@ steps are ``pruning/layer_pass.py``.
 
 from __future__ import annotations
 
-import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from rcpu_bench import console
+from rcpu_bench import console, peak_memory
 from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import check_prunable, decoder_layers, layer_view
 from rcpu_bench.model.capture import LayerInput, run_layer
@@ -74,13 +73,6 @@ class PruneReport:
     method_report: dict[str, Any] | None = None  # what a whole-model method or a model allocation reported
 
 
-def _peak_memory(device: torch.device) -> int:
-    """Peak bytes: allocated on the accelerator, or the process's peak resident set on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 @torch.no_grad()
 def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, registry: Registry,
                 device: torch.device | str | None = None, progress: bool = True,
@@ -102,8 +94,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     methods = registry.resolve(scorer=config.scorer, compensator=config.compensator, model_method=config.model_method,
                                allocation=config.allocation)
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    peak_memory.reset(device)
     if config.model_method is not None:
         return _run_model_method(model, calib_ids, config, methods, device)
     check_prunable(model, [m for m in MODULES if m in config.prune])
@@ -134,7 +125,7 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         reports.append({"layer": index, **report, "seconds": timer.seconds})
         for key, value in timer.seconds.items():
             totals.seconds[key] = totals.seconds.get(key, 0.0) + value
-    return PruneReport(reports, totals.seconds, _peak_memory(device), allocation_report)
+    return PruneReport(reports, totals.seconds, peak_memory.peak_bytes(device), allocation_report)
 
 
 def _run_model_method(model: nn.Module, calib_ids: Tensor, config: PruneConfig, methods: Resolved,
@@ -146,7 +137,7 @@ def _run_model_method(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
     with timer(cast(str, config.model_method)):
         report = method(model, calib_ids.to(device), ratio=config.ratio, **config.model_method_params)
     check_parameters(model, f"after the model method {config.model_method}")
-    return PruneReport([], timer.seconds, _peak_memory(device), report)
+    return PruneReport([], timer.seconds, peak_memory.peak_bytes(device), report)
 
 
 def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig,
