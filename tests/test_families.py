@@ -257,7 +257,7 @@ def test_tables_mark_a_run_whose_scale_a_post_norm_voided():
     layers = prune_model(gemma, ids(), PruneConfig(compensator="scaled-procrustes", ratio=0.34), progress=False,
                          registry=default_registry()).layers
     record = Record({"prune": prune_config}, {}, [], {}, 0, layers=layers)
-    assert label and method_row(StoredResult("c", {}, record, 0.0)) == label + SCALE_VOID
+    assert label and method_row(StoredResult("c", {}, record, 0.0)) == f"{label} [{SCALE_VOID}]"
     record.layers = prune(build("llama"), "llama", compensator="scaled-procrustes")
     assert method_row(StoredResult("c", {}, record, 0.0)) == label
 

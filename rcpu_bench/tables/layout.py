@@ -69,9 +69,9 @@ def any_row(result: StoredResult) -> str | None:
     return method_row(result) or other_row(result)
 
 
-SCALE_VOID = " [scale void: post-norm]"
+SCALE_VOID = "scale void: post-norm"
 # A run pruning one module only is its method's row with this mark (runs of both modules have none).
-SCOPE = {frozenset({"mlp"}): " [MLP channels only]", frozenset({"attention"}): " [heads only]"}
+SCOPE = {frozenset({"mlp"}): "MLP channels only", frozenset({"attention"}): "heads only"}
 
 
 def scale_void(result: StoredResult) -> bool:
@@ -82,12 +82,17 @@ def scale_void(result: StoredResult) -> bool:
 
 
 def _marked(label: str, result: StoredResult) -> str:
-    """The row label, marked when the run prunes heads or channels of one module only (``SCOPE``; not the dense
-    model, nor a method removing layers or slicing the hidden size, which ``prune`` does not steer) and when it is
-    not the distinct method its name says (``scale_void``)."""
-    if result.ratio > 0 and result.prune.get("model_method") is None:
-        label += SCOPE.get(frozenset(result.prune["prune"]), "")
-    return label + SCALE_VOID if scale_void(result) else label
+    """The row label with its marks in one bracket: the run prunes heads or channels of one module only (``SCOPE``;
+    not the dense model, nor a method removing layers or slicing the hidden size, which ``prune`` does not steer),
+    and it is not the distinct method its name says (``scale_void``). One bracket, because Markdown reads two
+    adjacent ones as a reference link."""
+    marks = []
+    prune = result.prune
+    if prune.get("ratio", 0) > 0 and prune.get("model_method") is None and frozenset(prune["prune"]) in SCOPE:
+        marks.append(SCOPE[frozenset(prune["prune"])])
+    if scale_void(result):
+        marks.append(SCALE_VOID)
+    return f"{label} [{'; '.join(marks)}]" if marks else label
 
 
 def method_row(result: StoredResult) -> str | None:
