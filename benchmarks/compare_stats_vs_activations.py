@@ -52,6 +52,7 @@ from tabulate import tabulate
 from torch import Tensor, nn
 from transformers import LlamaForCausalLM
 
+from rcpu_bench import peak_memory
 from rcpu_bench.model import capture_layer_inputs, decoder_layers, layer_view, run_layer
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.layer_pass import Timer, prune_module
@@ -257,13 +258,6 @@ def run_official(layer: nn.Module, inputs: list, spec: RunSpec, timer: Timer) ->
     return results
 
 
-def current_rss_peak_mib() -> float:
-    """This process's peak resident memory (VmHWM) in MiB; not ru_maxrss, which a vfork/exec child inherits."""
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024
-
-
 def worker(spec: RunSpec) -> dict[str, Any]:
     """Build the layer and its inputs, run one path, save its results; report times and memory."""
     torch.set_num_threads(spec.threads)
@@ -271,19 +265,20 @@ def worker(spec: RunSpec) -> dict[str, Any]:
     layer, inputs = build_layer(spec)
     device = torch.device(spec.device)
     if spec.path == "baseline":
-        return {"peak_mib": current_rss_peak_mib()}
+        return {"peak_mib": peak_memory.peak_bytes(device) / 2**20}
+    held = 0  # on the CPU the fresh process's whole peak; the baseline process's is subtracted by the caller
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         held = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        peak_memory.reset(device)
     timer = Timer(device)
     results = (run_ours if spec.path == "ours" else run_official)(layer, inputs, spec, timer)
     if spec.rerun:
         with timer("forward rerun"):
             run_layer(layer, inputs)
-    peak = (torch.cuda.max_memory_allocated(device) - held) / 2**20 if device.type == "cuda" else current_rss_peak_mib()
+    peak_mib = (peak_memory.peak_bytes(device) - held) / 2**20
     torch.save(results, spec.save)
-    return {"seconds": timer.seconds, "peak_mib": peak}
+    return {"seconds": timer.seconds, "peak_mib": peak_mib}
 
 
 class WorkerFailed(RuntimeError):

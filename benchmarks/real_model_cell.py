@@ -32,7 +32,6 @@ import argparse
 import copy
 import json
 import math
-import resource
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from rcpu_bench import data
+from rcpu_bench import data, peak_memory
 from rcpu_bench.compensation.rotation import auto_solver
 from rcpu_bench.evaluation import perplexity
 from rcpu_bench.experiment import Experiment, run_experiment
@@ -129,7 +128,9 @@ def decomposition_floor(compensator: str, d_out: int, kept: int, repeats: int = 
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The process's resident high-water mark since it started, in MiB (never reset: its growth across cells shows
+    what a cell leaves behind)."""
+    return peak_memory.peak_bytes(torch.device("cpu")) / 2**20
 
 
 class PhaseTimer:

@@ -9,6 +9,7 @@ process.
 from __future__ import annotations
 
 import resource
+import sys
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ def peak_bytes(device: torch.device) -> int:
     try:
         status = (PROC / "status").read_text()
     except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB elsewhere
     line = next(line for line in status.splitlines() if line.startswith("VmHWM:"))
     return int(line.split()[1]) * 1024  # kB

@@ -10,10 +10,12 @@ for zero-shot:
 * phase 2, once every cell of a group has an ok phase-1 entry, chooses λ_best by the paper's rule and
   runs that cell again with zero-shot: the cell is re-pruned from the dense model (pruning is
   deterministic, so the weights are bit-identical to phase 1's; ``reproduced`` records the check on the
-  calibration perplexity). Its new entry (same cell id) keeps the phase-1 record and adds ``zeroshot``, and
-  says ``"phase": "lambda_best"``, ``"lambda_rule": "paper"``, ``"chosen_from": [cell ids]``.
+  calibration perplexity, and the evaluation perplexities phase 1 measured are not measured again). Its new
+  entry (same cell id) keeps the phase-1 record and adds ``zeroshot``, and says ``"phase": "lambda_best"``,
+  ``"lambda_rule": "paper"``, ``"chosen_from": [cell ids]``.
 
-Re-pruning costs one more pruning + perplexity pass per group (1/|grid| of the group's phase-1 work);
+Re-pruning costs one more pruning + calibration-perplexity pass per group (under 1/|grid| of the group's
+phase-1 work);
 keeping every pruned grid model until its group is decided would need |grid| pruned models per group
 on disk (13 × 13 GB for one Llama-7B group) or in memory, which is not an option on a GPU worker.
 
@@ -149,16 +151,23 @@ def plan_phases(cells: Sequence[Cell]) -> PhasePlan:
     return PhasePlan(tuple(cells), tuple(tuple(g) for g in groups.values() if len(g) > 1))
 
 
+def phase2_cell(best: LambdaBest) -> Cell:
+    """What phase 2 runs for the chosen cell: the cell without its evaluation perplexities, which phase 1 measured
+    on the same weights (the calibration perplexity, which chose λ, is measured again as the check)."""
+    return replace(best.cell, ppl_profiles=())
+
+
 def lambda_best_entry(run: Entry, best: LambdaBest) -> Entry:
-    """The phase-2 store entry from the chosen cell's re-run ``run``: the phase-1 record with the re-run's zero-shot
-    accuracy, how λ was chosen, and whether the re-pruned model reproduced phase 1's calibration perplexity."""
-    entry = replace(run, phase=PHASE_LAMBDA_BEST, lambda_rule=LAMBDA_RULE, chosen_from=list(best.chosen_from))
+    """The phase-2 store entry from the re-run ``run`` of :func:`phase2_cell`: the chosen cell's phase-1 record with
+    the re-run's zero-shot accuracy, how λ was chosen, and whether the re-pruned model reproduced phase 1's
+    calibration perplexity."""
+    entry = replace(run, cell_id=best.cell.id, cell=best.cell.to_dict(), phase=PHASE_LAMBDA_BEST,
+                    lambda_rule=LAMBDA_RULE, chosen_from=list(best.chosen_from))
     if not run.ok:
         return entry
     first, again = best.phase1.record, run.record
     assert first is not None and again is not None  # ok entries have records
     entry.record = {**first, ZEROSHOT: again[ZEROSHOT]}
-    entry.reproduced = {"identical": (first["calibration_ppl"], first["perplexity"])
-                        == (again["calibration_ppl"], again["perplexity"]),
+    entry.reproduced = {"identical": first["calibration_ppl"] == again["calibration_ppl"],
                         "calibration_ppl": [first["calibration_ppl"], again["calibration_ppl"]]}
     return entry

@@ -28,6 +28,7 @@ from rcpu_bench.matrix.phases import (
     PhasePlan,
     lambda_best_entry,
     phase1_entries,
+    phase2_cell,
     plan_phases,
 )
 from rcpu_bench.matrix.spec import (
@@ -283,7 +284,8 @@ def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local",
         if plan.groups:
             phase2 = plan.phase2(store.entries())
             summary.best_skipped, summary.best_waiting = phase2.done, len(phase2.waiting)
-            phase.run(f"matrix {matrix.name} λ_best", [(best.cell, best) for best in phase2.todo], lambda_best_entry)
+            phase.run(f"matrix {matrix.name} λ_best", [(phase2_cell(best), best) for best in phase2.todo],
+                      lambda_best_entry)
     return summary
 
 
