@@ -15,8 +15,7 @@ for zero-shot:
   ``"lambda_rule": "paper"``, ``"chosen_from": [cell ids]``.
 
 Re-pruning costs one more pruning + calibration-perplexity pass per group (under 1/|grid| of the group's
-phase-1 work);
-keeping every pruned grid model until its group is decided would need |grid| pruned models per group
+phase-1 work); keeping every pruned grid model until its group is decided would need |grid| pruned models per group
 on disk (13 × 13 GB for one Llama-7B group) or in memory, which is not an option on a GPU worker.
 
 Cell ids do not change: a group's cells keep their ids (their ``eval`` still names zero-shot). A
