@@ -31,6 +31,7 @@ rcpu-bench plots --results results/factorial --out-dir results/factorial/plots
 # intervals among them) on each perplexity profile, and the figures.
 rcpu-bench run --matrix real-smollm2 --results results/real/smollm2 --quiet
 rcpu-bench run --matrix real-smollm2-allocation --results results/real/smollm2 --quiet
+rcpu-bench run --matrix real-smollm2-peers --results results/real/smollm2 --quiet
 rcpu-bench run --matrix real-smollm2-tinystories --results results/real/smollm2-tinystories --quiet
 rcpu-bench run --matrix real-gemma3 --results results/real/gemma3 --quiet
 for store in smollm2 smollm2-tinystories gemma3; do
