@@ -200,6 +200,17 @@ def test_the_candidate_cache_is_removed_unless_kept(searched, tmp_path):
     assert len(list((directory / "dense").iterdir())) == 3 * 2
     assert len(list((directory / "targets").iterdir())) == kept["heldout_windows"]
     assert kept["cache_bytes"] == sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    for path in directory.rglob("*.pt"):  # each file holds its tensors' bytes only, not a larger storage they view
+        for tensor in saved_tensors(torch.load(path)):
+            assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), path
+
+
+def saved_tensors(saved) -> list[torch.Tensor]:
+    """Every tensor in what ``torch.save`` wrote: a tensor, or lists, tuples and dicts of them (None skipped)."""
+    if isinstance(saved, torch.Tensor):
+        return [saved]
+    items = saved.values() if isinstance(saved, dict) else saved if isinstance(saved, (list, tuple)) else []
+    return [tensor for item in items for tensor in saved_tensors(item)]
 
 
 def test_a_failing_search_hands_the_model_back_dense_and_removes_its_cache(monkeypatch, tmp_path):

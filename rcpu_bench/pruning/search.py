@@ -306,7 +306,8 @@ class Fitness:
         directory.mkdir()
         for start in range(0, len(windows), batch_size):
             for offset, log_p in enumerate(self._log_probs(windows[start : start + batch_size])):
-                torch.save(log_p.cpu(), self._target(start + offset))
+                # a copy: a view saves its whole storage, here the batch's (B× the window's bytes on the CPU)
+                torch.save(log_p.to("cpu", copy=True), self._target(start + offset))
 
     def __call__(self, chosen: list[int]) -> float:
         total, positions = 0.0, 0
