@@ -43,3 +43,10 @@ for store in smollm2 smollm2-tinystories gemma3; do
       --out "results/real/$store/tables-tinystories.md"
   rcpu-bench plots --results "results/real/$store" --profile "$wikitext" --out-dir "results/real/$store/plots"
 done
+# Where a CUDA GPU is present: the SmolLM2-135M perplexities again on it (no zero-shot), for its timings and the
+# agreement of the two devices (results/real/smollm2-gpu: the paper's matrix and the searched allocations, on an H200).
+if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  for matrix in real-smollm2 real-smollm2-allocation; do
+    rcpu-bench run --matrix "$matrix" --set device=cuda --set 'eval=[ppl]' --results results/real/smollm2-gpu --quiet
+  done
+fi
