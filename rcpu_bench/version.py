@@ -1,3 +1,3 @@
 """The version of rcpu-bench (the one pyproject.toml declares)."""
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"

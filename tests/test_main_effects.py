@@ -86,6 +86,14 @@ def test_ridge_enters_at_lambda_best_and_the_table_kind_renders():
     assert rows["selection: wanda-sp"][2] == pytest.approx(max(SELECTION.values()) - min(SELECTION.values()))
 
 
+def test_ridge_at_a_relative_damping_is_a_level_of_its_own():
+    damped = entry("custom", 0.2, 7.0, label="variance+ridge damped", n_calib=8, prune={
+        "scorer": "variance", "compensator": "ridge", "compensator_params": {"lam": 0.0, "lam_rel": 0.01}})
+    points = factorial_points(stored([*design(), damped]), "rcpu128")[("Llama-7B", 0.2)]
+    assert points[("variance", "ridge (damped)", "uniform", 8)] == 7.0
+    assert points[("variance", "ridge", "uniform", 8)] == 10 + SELECTION["variance"] + COMPENSATION["ridge"]
+
+
 def test_the_figure_is_drawn_only_for_a_balanced_factorial_store(tmp_path):
     (path,) = write_plots(stored(design()), tmp_path, "rcpu128")
     assert path.name == "main_effects_Llama-7B_0.2.png" and path.read_bytes().startswith(b"\x89PNG")

@@ -36,6 +36,7 @@ def store_entries() -> list[dict]:
         entry("ls-best", 0.1, 16.0, lam=100.0, calibration_ppl=11.0),
         entry("flap", 0.1, 14.14),  # FLAP's global structure: in the N_calib plot, not among the bars
         entry("rcpu-rot", 0.3, 18.0, prune={"compensate": []}),  # an ablation run: in no plot
+        entry("ls-damped", 0.1, 13.0),  # ridge at a damping relative to G_KK, not on the λ axis: in no plot
     ]
 
 

@@ -172,6 +172,15 @@ def test_repeats_keep_the_last_and_different_experiments_conflict():
         tables_of([first, other], "ppl")
 
 
+def test_ridge_at_a_fixed_damping_is_its_own_row_beside_the_lambda_grid():
+    damped = {"compensator_params": {"lam": 0.0, "lam_rel": 0.01}}
+    entries = [entry("ls-best", 0.1, 15.0, lam=1e-2), entry("ls-best", 0.1, 15.5, lam=1.0, calibration_ppl=21.0),
+               entry("ls-best", 0.1, 14.2, label="Prop.Score+LS", prune=damped)]
+    (table,) = tables_of(entries, "ppl")
+    assert grid(table) == [("Prop.Score+LS (lambda_best)", 0.1, 15.0, 1e-2), ("Prop.Score+LS (damped)", 0.1, 14.2,
+                           "0e+00, no grid")]
+
+
 def test_ppl_table_names_an_unknown_profile():
     with pytest.raises(ValueError, match="'std2048'; profiles in the store: rcpu128"):
         tables_of(ppl_entries(), "ppl", profile="std2048")

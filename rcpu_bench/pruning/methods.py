@@ -54,6 +54,9 @@ RECIPES: dict[str, Recipe] = {r.key: r for r in (
     Recipe("flap", "FLAP", {"scorer": "flap-wifv", "compensator": "flap-bias", "structure": "al-am",
                             "statistics": "one-shot"}),
     Recipe("ls-best", "Prop.Score+LS (lambda_best)", {"scorer": "variance", "compensator": "ridge"}),
+    # Ridge at SparseGPT's damping λ = 0.01·mean diag G_KK instead of a λ grid: its own row, not a λ_best candidate.
+    Recipe("ls-damped", "Prop.Score+LS (damped)",
+           {"scorer": "variance", "compensator": "ridge", "compensator_params": {"lam": 0.0, "lam_rel": 0.01}}),
     Recipe("rcpu-rot", "RCPU (Rot.)", {"scorer": "variance", "compensator": "procrustes"}),
     Recipe("rcpu-rot-scale", "RCPU (Rot.+Scale)", {"scorer": "variance", "compensator": "scaled-procrustes"}),
     # The official code's numerics on purpose (docs/methods.md §7): γ with mean|x|, M formed in float32,

@@ -32,9 +32,16 @@ from rcpu_bench.tables.layout import compensates_pruned
 from rcpu_bench.tables.results import Metric, ppl_of
 from rcpu_bench.tables.table import Column, Row, Table
 
+def compensation(result: StoredResult) -> str:
+    """The compensation level: the compensator, ridge at a damping relative to G_KK (``lam_rel``) a level of its
+    own beside ridge at the λ grid's λ_best."""
+    damped = result.prune["compensator_params"].get("lam_rel") is not None
+    return f"{result.prune['compensator']} (damped)" if damped else result.prune["compensator"]
+
+
 FACTORS: dict[str, Callable[[StoredResult], Any]] = {
     "selection": lambda r: r.prune["scorer"],
-    "compensation": lambda r: r.prune["compensator"],
+    "compensation": compensation,
     "allocation": lambda r: AL_AM if r.prune.get("structure") == AL_AM else r.prune.get("allocation", "uniform"),
     "N_calib": lambda r: r.n_calib,
 }

@@ -54,8 +54,10 @@ LambdaPanels = dict[tuple[int, str, float], LambdaCurve]  # (N_calib, scorer, ra
 
 
 def _plotted(result: StoredResult) -> bool:
-    """Pruned runs of the RCPU pipeline (uniform structure, sequential statistics) on both modules."""
-    return compensates_pruned(result) and result.ratio > 0 and is_default_pipeline(result.prune)
+    """Pruned runs of the RCPU pipeline (uniform structure, sequential statistics) on both modules; ridge at an
+    absolute λ (the figures' λ grid), not at a damping relative to G_KK (``lam_rel``)."""
+    return (compensates_pruned(result) and result.ratio > 0 and is_default_pipeline(result.prune)
+            and result.prune["compensator_params"].get("lam_rel") is None)
 
 
 def _ppl(result: StoredResult, profile: str) -> float | None:
