@@ -32,6 +32,7 @@ from rcpu_bench.tables.layout import compensates_pruned
 from rcpu_bench.tables.results import Metric, ppl_of
 from rcpu_bench.tables.table import Column, Row, Table
 
+
 def compensation(result: StoredResult) -> str:
     """The compensation level: the compensator, ridge at a damping relative to G_KK (``lam_rel``) a level of its
     own beside ridge at the λ grid's λ_best."""
