@@ -52,6 +52,7 @@ def test_the_converted_directory_records_its_source_and_checks_out(name):
     assert source["gguf_sha256"] == model.sha256 and source["package_version"] == model.version
     assert file_sha256(real_models.gguf_path(model)) == model.sha256
     assert set(source["sha256"]) == {p.name for p in directory.iterdir() if p.is_file()} - {real_models.SOURCE_FILE}
+    assert "local_files_only" not in json.loads((directory / "tokenizer_config.json").read_text())  # same offline
     assert loaded(name).provenance["real_model"]["weights"] == f"dequantized {model.quantization} weights"
 
 

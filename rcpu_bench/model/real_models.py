@@ -258,6 +258,7 @@ def _dequantize(gguf: Path, directory: Path, *, name: str) -> None:
     del quantized
     model.save_pretrained(directory)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.init_kwargs.pop("local_files_only", None)  # set under HF_HUB_OFFLINE: the files would depend on it
     tokenizer.save_pretrained(directory)
 
 
