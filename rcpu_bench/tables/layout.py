@@ -64,6 +64,11 @@ def compensates_pruned(result: StoredResult) -> bool:
     return bool(prune["prune"]) and set(prune["prune"]) <= set(prune["compensate"])
 
 
+def relatively_damped(result: StoredResult) -> bool:
+    """Whether a run's ridge λ is a damping relative to G_KK (``lam_rel``), not a value of the λ grid."""
+    return result.prune["compensator_params"].get("lam_rel") is not None
+
+
 def any_row(result: StoredResult) -> str | None:
     """The row of a run compensating what it prunes in a main or an "other" table."""
     return method_row(result) or other_row(result)

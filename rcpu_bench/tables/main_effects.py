@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, resolve
 from rcpu_bench.matrix.store import StoredResult
 from rcpu_bench.pruning.allocation import AL_AM
-from rcpu_bench.tables.layout import compensates_pruned
+from rcpu_bench.tables.layout import compensates_pruned, relatively_damped
 from rcpu_bench.tables.results import Metric, ppl_of
 from rcpu_bench.tables.table import Column, Row, Table
 
@@ -36,8 +36,8 @@ from rcpu_bench.tables.table import Column, Row, Table
 def compensation(result: StoredResult) -> str:
     """The compensation level: the compensator, ridge at a damping relative to G_KK (``lam_rel``) a level of its
     own beside ridge at the λ grid's λ_best."""
-    damped = result.prune["compensator_params"].get("lam_rel") is not None
-    return f"{result.prune['compensator']} (damped)" if damped else result.prune["compensator"]
+    compensator = result.prune["compensator"]
+    return f"{compensator} (damped)" if relatively_damped(result) else compensator
 
 
 FACTORS: dict[str, Callable[[StoredResult], Any]] = {

@@ -27,7 +27,7 @@ from rcpu_bench.pruning.methods import percent
 from rcpu_bench.pruning.options import is_default_pipeline
 from rcpu_bench.tables import generalisation, main_effects
 from rcpu_bench.tables.figures import DPI, save_figure
-from rcpu_bench.tables.layout import any_row, cell_grid, compensates_pruned
+from rcpu_bench.tables.layout import any_row, cell_grid, compensates_pruned, relatively_damped
 from rcpu_bench.tables.results import PAPER_PROFILE, check_profile, ppl_of
 from rcpu_bench.tables.table import ORIGINAL
 
@@ -57,7 +57,7 @@ def _plotted(result: StoredResult) -> bool:
     """Pruned runs of the RCPU pipeline (uniform structure, sequential statistics) on both modules; ridge at an
     absolute λ (the figures' λ grid), not at a damping relative to G_KK (``lam_rel``)."""
     return (compensates_pruned(result) and result.ratio > 0 and is_default_pipeline(result.prune)
-            and result.prune["compensator_params"].get("lam_rel") is None)
+            and not relatively_damped(result))
 
 
 def _ppl(result: StoredResult, profile: str) -> float | None:
