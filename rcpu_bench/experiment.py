@@ -6,6 +6,7 @@ runs one per cell; either way the result is a :class:`rcpu_bench.records.Record`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rcpu_bench import data, experiment_options
+from rcpu_bench.atomic_file import claimed
 from rcpu_bench.compensation import diagnostics
 from rcpu_bench.evaluation import perplexity
 from rcpu_bench.evaluation.generation import text_sample
@@ -28,6 +30,7 @@ from rcpu_bench.model.loading import (
     model_skeleton,
     model_source,
     parameter_count,
+    resolve_dtype,
 )
 from rcpu_bench.model.manifest import check_saved_model
 from rcpu_bench.model.persistence import save_pruned
@@ -95,9 +98,10 @@ class Experiment:
             n, what = selection_units(geometries[0], module, self.prune.gqa_rule)
             log.warning(f"ratio={self.prune.ratio} prunes none of the {n} {what} of {module} in any layer "
                         f"(⌊ρ·n⌋ = 0, rounding={self.prune.rounding!r}): only the other modules are pruned")
+        allocated = self._check_model_allocation(registry, skeleton)
         self._check_calibration(load_tokenizer(model_source(self.model), commit or self.revision,
                                                trust_remote_code=self.trust_remote_code),
-                                config.max_position_embeddings)
+                                config.max_position_embeddings, allocated)
         for profile in self.ppl_profiles:
             perplexity.profile_source(profile, self.data_dir)
         if self.save_dir:
@@ -106,12 +110,31 @@ class Experiment:
         if self.save_dir and method and registry.get("model-method", method).save is None:
             raise ValueError(f"the model method {self.prune.model_method!r} registered no save function; drop --save")
 
-    def _check_calibration(self, tokenizer: Any, max_positions: int) -> None:
+    def _check_model_allocation(self, registry: Registry, skeleton: Any) -> int:
+        """A model allocation's own check on the model's shapes, where it has one (``hookspecs.ModelAllocation``:
+        the search's cost bound and cache space): the held-out windows it will draw (0 for any other allocation)."""
+        if self.prune.model_method is not None or self.prune.structure != "uniform":
+            return 0
+        allocation = registry.allocation(self.prune.allocation)(len(layer_geometries(skeleton)), self.prune.ratio,
+                                                                **self.prune.allocation_params)
+        check = getattr(allocation, "check", None)
+        if not callable(allocation) or check is None:
+            return 0
+        skeleton.to(resolve_dtype(self.dtype))  # weightless: the run's dtype sizes what it writes
+        return int(check(skeleton, self.prune, data.parse_calib(self.calib).seqlen))
+
+    def _check_calibration(self, tokenizer: Any, max_positions: int, allocated: int = 0) -> None:
         """Cut the calibration (and held-out) windows now, as the run will (they are cached): a source too short
-        for the seqlen or the held-out count fails here, not after the model is loaded."""
+        for the seqlen or the held-out count (the diagnostics' ``holdout`` and a model allocation's ``allocated``)
+        fails here, not after the model is loaded."""
         data.calibration_data(self.calib, tokenizer, data_dir=self.data_dir, max_positions=max_positions)
-        if self.prune.holdout:
-            data.holdout_windows(self.calib, tokenizer, self.prune.holdout, data_dir=self.data_dir)
+        if self.prune.holdout or allocated:
+            searched = (f"allocation {self.prune.allocation!r} with {self.prune.allocation_params} "
+                        f"({allocated:,} windows)")
+            asked = " and ".join([f"holdout={self.prune.holdout}"] * bool(self.prune.holdout) + [searched]) \
+                if allocated else None
+            data.holdout_windows(self.calib, tokenizer, self.prune.holdout + allocated, data_dir=self.data_dir,
+                                 asked=asked)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,6 +156,15 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     """
     registry = registry or default_registry()
     experiment.validate(registry)
+    with claimed(experiment.save_dir) if experiment.save_dir else contextlib.nullcontext():
+        return _run(experiment, registry, progress, load, evaluate, reuse_capture, keep_record)
+
+
+def _run(experiment: Experiment, registry: Registry, progress: bool, load: Callable[..., LoadedModel],
+         evaluate: Callable[[Any, Any], dict[str, Any]] | None,
+         reuse_capture: Callable[[Callable[[], Any]], Any] | None,
+         keep_record: Callable[[Record], None] | None) -> Record:
+    """The run of a validated experiment (:func:`run_experiment`)."""
     started = time.perf_counter()
     # With offloading the model stays in CPU memory and each layer visits the device while it is pruned.
     home = "cpu" if experiment.prune.offload else experiment.device
