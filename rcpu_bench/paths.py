@@ -81,7 +81,7 @@ def check_output_file(path: str | os.PathLike, what: str) -> None:
     path = Path(path)
     if path.exists() and not path.is_file():
         kind = "a directory" if path.is_dir() else "not a regular file"
-        raise ValueError(f"{what} {path} is {kind}; allowed: the path of a regular file, new or existing")
+        raise ValueError(f"{what} {path} is {kind}; allowed: a file (a new path or an existing regular file)")
     if path.exists():
         try:
             open(path, "ab").close()
