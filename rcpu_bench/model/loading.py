@@ -130,7 +130,7 @@ def check_revision(name_or_path: str, revision: str | None) -> None:
         return
     if name_or_path in real_models.MODELS:
         model = real_models.MODELS[name_or_path]
-        what = f"the real model {name_or_path!r}, converted from the GGUF of {model.package}=={model.version}"
+        what = f"the real model {name_or_path!r}, converted from the GGUF of {model.distribution} {model.version}"
     elif Path(name_or_path).expanduser().exists():
         what = f"the local directory {name_or_path}"
     else:
