@@ -24,6 +24,7 @@ from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import (
     LoadedModel,
     check_device,
+    check_revision,
     load_config,
     load_model,
     load_tokenizer,
@@ -84,6 +85,7 @@ class Experiment:
             experiment_options.BY_NAME[name].check(getattr(self, name))
         if here:
             check_device(self.device)
+        check_revision(self.model, self.revision)
         check_saved_model(self.model)
         config, commit = load_config(self.model, self.revision,
                                      prune=() if self.prune.model_method else self.prune.prune,

@@ -16,6 +16,7 @@ from rcpu_bench import experiment_options, paths
 from rcpu_bench.commands import INPUT_ERRORS, command, export
 from rcpu_bench.data import parse_calib
 from rcpu_bench.experiment import DEFAULT_CALIB, DEFAULT_PPL_PROFILES, Experiment, run_experiment
+from rcpu_bench.model import real_models
 from rcpu_bench.model.loading import model_source
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import check_not_input, check_output_file, default_model
@@ -62,7 +63,9 @@ def inputs(experiment: Experiment) -> list[str | None]:
     if data is None:
         with contextlib.suppress(FileNotFoundError):  # no shared fixtures: no default data directory to protect
             data = str(paths.data_dir())
-    return [model_source(experiment.model), source.removeprefix("file:") if source.startswith("file:") else None, data]
+    model = (str(real_models.model_dir(real_models.get(experiment.model))) if experiment.model in real_models.MODELS
+             else model_source(experiment.model))  # where a real model is converted to, without converting it now
+    return [model, source.removeprefix("file:") if source.startswith("file:") else None, data]
 
 
 def check_destinations(experiment: Experiment, args: argparse.Namespace) -> None:

