@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         state = real_models.status(model)
         installed = state["installed"] or f"no: {model.install}"
         converted = "yes" if state["converted"] else ("-" if not state["installed"] else f"no ({state['problem']})")
-        rows.append((model.name, model.title, model.architecture, f"{model.package} {installed}",
+        rows.append((model.name, model.title, model.architecture, f"{model.distribution} {installed}",
                      f"{model.quantization} GGUF", converted, _size(state["size_bytes"])))
     print(tabulate(rows, headers=["name", "model", "architecture", "package", "source", "converted", "size"]))
     print(f"\nconverted directories: {real_models.cache_dir() / 'models'} (${real_models.CACHE_ENV} moves them); "
