@@ -134,6 +134,7 @@ def claimed(directory: str | os.PathLike) -> Iterator[None]:
 
 
 def _refuse_other_writers(target: Path) -> None:
+    """FileExistsError naming the live processes other than this one whose staging sits beside ``target``."""
     others = sorted({int(parts[1]) for path in target.parent.glob(f".{glob.escape(target.name)}.*")
                      if path.suffix == _STAGING and not _stale(path)
                      and len(parts := path.stem.rsplit(".", 2)) == 3 and parts[1].isdigit()} - {os.getpid()})

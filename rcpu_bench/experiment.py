@@ -130,13 +130,14 @@ class Experiment:
         for the seqlen or the held-out count (the diagnostics' ``holdout`` and a model allocation's ``allocated``)
         fails here, not after the model is loaded."""
         data.calibration_data(self.calib, tokenizer, data_dir=self.data_dir, max_positions=max_positions)
-        if self.prune.holdout or allocated:
-            searched = (f"allocation {self.prune.allocation!r} with {self.prune.allocation_params} "
-                        f"({allocated:,} windows)")
-            asked = " and ".join([f"holdout={self.prune.holdout}"] * bool(self.prune.holdout) + [searched]) \
-                if allocated else None
-            data.holdout_windows(self.calib, tokenizer, self.prune.holdout + allocated, data_dir=self.data_dir,
-                                 asked=asked)
+        if not (self.prune.holdout or allocated):
+            return
+        asked = None  # the diagnostics' holdout alone: named as such
+        if allocated:
+            asked = f"allocation {self.prune.allocation!r} with {self.prune.allocation_params} ({allocated:,} windows)"
+            asked = f"holdout={self.prune.holdout} and {asked}" if self.prune.holdout else asked
+        data.holdout_windows(self.calib, tokenizer, self.prune.holdout + allocated, data_dir=self.data_dir,
+                             asked=asked)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,7 +155,9 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     ``evaluate(model, tokenizer)`` evaluates the pruned model further; its fields join the record
     (:meth:`Record.add`: the matrix runner's zero-shot accuracy). ``reuse_capture`` goes to prune_model: the
     matrix runner's cache of layer-0 inputs (rcpu_bench.matrix.reuse). ``keep_record(record)`` is called with the
-    finished record before the model is saved (prune's ``--out``), so a failing save loses no record.
+    finished record before the model is saved (prune's ``--out``), so a failing save loses no record. The save
+    directory is claimed for the whole run (``atomic_file.claimed``): a second run saving there is refused before its
+    work, not after it.
     """
     registry = registry or default_registry()
     experiment.validate(registry)
