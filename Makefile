@@ -2,9 +2,9 @@
 #   make run    set up .venv and run the main job: the quick matrix on the real SmolLM2-135M model
 #   make test   set up the same way and run all the tests, slow and real-model ones included (what CI runs, through
 #               .ci/run; a plain `pytest` skips the tests marked slow or real_model)
-# The setup (CPU torch, the package with its test, Ray, GGUF and real-model extras, the plugin packages) is done once
-# and redone only when a pyproject.toml changes, so a second call starts at once. The [gguf] and [models] extras
-# build llama.cpp from source (llama-cpp-python: cmake and a C++ compiler, a few minutes).
+# The setup (CPU torch, the package with its test, Ray, GGUF, real-model and tracker extras, the plugin packages) is
+# done once and redone only when a pyproject.toml changes, so a second call starts at once. The [gguf] and [models]
+# extras build llama.cpp from source (llama-cpp-python: cmake and a C++ compiler, a few minutes).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -33,6 +33,6 @@ $(STAMP): pyproject.toml plugins/rcpu-example/pyproject.toml plugins/rcpu-sliceg
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet -e ".[test,ray,gguf,models]" \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet -e ".[test,ray,gguf,models,mlflow,wandb]" \
 		-e plugins/rcpu-example -e plugins/rcpu-slicegpt
 	touch $@

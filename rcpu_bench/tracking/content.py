@@ -111,6 +111,11 @@ def _zeroshot(zeroshot: Mapping[str, Any]) -> dict[str, float]:
     return metrics
 
 
+def runs(count: int) -> str:
+    """``1 run``, ``2 runs``."""
+    return f"{count} run{'' if count == 1 else 's'}"
+
+
 def as_json(data: Mapping[str, Any]) -> str:
     """A record or store entry as the ``record.json`` artifact: indented JSON, keys sorted."""
     return json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n"
@@ -118,7 +123,8 @@ def as_json(data: Mapping[str, Any]) -> str:
 
 def prune_run(record: Mapping[str, Any], *, name: str, model_card: Path | None = None) -> TrackedRun:
     """The tracker run of one ``rcpu-bench prune``: its record's experiment as parameters, its figures as metrics,
-    the record (and the saved model's card) as artifacts."""
+    the record (and the saved model's card) as artifacts; the record as its JSON file holds it (tuples as lists)."""
+    record = json.loads(as_json(record))
     ended = time.time()
     return TrackedRun(name, None, "prune", params=flatten(record["experiment"]), metrics=record_metrics(record),
                       tags={f"{PREFIX}command": "prune"}, texts={"record.json": as_json(record)},

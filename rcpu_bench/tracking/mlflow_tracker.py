@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rcpu_bench.tracking.content import TrackedRun
+from rcpu_bench.tracking.content import TrackedRun, runs
 
 PRUNE_EXPERIMENT = "rcpu-bench-prune"
 STORE, ARTIFACTS = "mlflow.db", "mlartifacts"
@@ -50,7 +50,7 @@ class MlflowTracker:
             return None
         browse = (f"mlflow ui --backend-store-uri {self.uri}" if self.uri.startswith("sqlite:")
                   else "the tracking server's UI")
-        return f"mlflow: {self.logged} runs logged to {self.uri} (open with {browse})"
+        return f"mlflow: {runs(self.logged)} logged to {self.uri} (open with {browse})"
 
     def log(self, run: TrackedRun) -> None:
         """One MLflow run: parameters (MLflow's text of each value), metrics, tags, artifacts, then its status."""

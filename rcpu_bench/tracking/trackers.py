@@ -98,7 +98,7 @@ class Trackers:
                 tracker.log(run)
             except Exception as error:  # noqa: BLE001 - a tracker never loses or blocks a result: warn, go on
                 self.active.remove(tracker)
-                message = (str(error).strip().splitlines() or [""])[0][:300]
+                message = " ".join(str(error).split())[:300]  # one line
                 log.warning(redacted(f"{tracker.name}: run {run.name!r} not logged ({type(error).__name__}: "
                                      f"{message}); check {tracker.check()}; the results are written, {tracker.name} "
                                      "logging is off for the rest of this command"))

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rcpu_bench.tracking.content import TrackedRun
+from rcpu_bench.tracking.content import TrackedRun, runs
 
 PROJECT = "rcpu-bench"
 
@@ -39,9 +39,9 @@ class WandbTracker:
             return None
         project = os.environ.get("WANDB_PROJECT") or PROJECT
         if self.offline_dir is not None:
-            return (f"wandb: {self.logged} runs of project {project} written offline under {self.offline_dir} "
+            return (f"wandb: {runs(self.logged)} of project {project} written offline under {self.offline_dir} "
                     f"(upload with wandb sync {self.offline_dir}/offline-run-*)")
-        return f"wandb: {self.logged} runs logged to project {project}"
+        return f"wandb: {runs(self.logged)} logged to project {project}"
 
     def log(self, run: TrackedRun) -> None:
         """One W&B run: parameters and tags as its config, metrics logged once (its summary), artifacts as its
