@@ -18,6 +18,8 @@ from rcpu_bench.tracking.content import TrackedRun, runs
 
 PRUNE_EXPERIMENT = "rcpu-bench-prune"
 STORE, ARTIFACTS = "mlflow.db", "mlartifacts"
+# What the MLflow UI shows an experiment as: runs with parameters and metrics (model development), not GenAI traces.
+KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"
 
 
 def local_uri(directory: Path) -> str:
@@ -95,7 +97,8 @@ class MlflowTracker:
                 self._experiments[name] = found.experiment_id
             else:
                 location = self.artifacts.as_uri() if self.artifacts is not None else None
-                self._experiments[name] = self.client().create_experiment(name, artifact_location=location)
+                self._experiments[name] = self.client().create_experiment(name, artifact_location=location,
+                                                                          tags={KIND: MODEL_DEVELOPMENT})
         return self._experiments[name]
 
 
