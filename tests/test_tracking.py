@@ -6,6 +6,7 @@ cell logged as a failed run. The end-to-end runs against MLflow's stores and W&B
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -159,17 +160,26 @@ class ExplodingPlugin:
 
 @pytest.mark.slow
 @needs_stories
-def test_a_failed_cell_is_a_failed_run_with_its_error_and_entry(tracker_env, tmp_path):
+def test_a_failed_cell_is_a_failed_run_with_its_error_and_entry_logged_after_it_is_stored(tracker_env, tmp_path):
     client_module = pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
     from rcpu_bench.commands.run import log_cell
     from rcpu_bench.tracking.mlflow_tracker import MlflowTracker
     from rcpu_bench.tracking.trackers import Trackers
+    from rcpu_bench.tracking.wandb_tracker import WandbTracker
 
     registry = build_registry(plugin_manager([("exploding", ExplodingPlugin())]))
     matrix = tiny_matrix([{"name": "explode", "scorer": "variance", "compensator": "explode"}, "rcpu-rot"])
-    trackers = Trackers([MlflowTracker.local(tmp_path)])
-    summary = run_matrix(matrix, tmp_path, progress=False, registry=registry, observe=log_cell(trackers, "tiny"))
-    assert (summary.ok, summary.failed) == (1, 1)
+    log = log_cell(Trackers([MlflowTracker.local(tmp_path), WandbTracker(tmp_path)]), "tiny")
+    stored_first = []
+
+    def observe(entry, cell):
+        as_stored = json.loads(json.dumps(entry.to_json()))  # tuples as lists
+        stored_first.append(as_stored in [stored.to_json() for stored in Store(tmp_path).entries()])
+        log(entry, cell)
+
+    summary = run_matrix(matrix, tmp_path, progress=False, registry=registry, observe=observe)
+    assert (summary.ok, summary.failed) == (1, 1) and stored_first == [True, True]
     client = client_module.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     entries = {entry.cell_id: entry for entry in Store(tmp_path).entries()}
@@ -185,3 +195,10 @@ def test_a_failed_cell_is_a_failed_run_with_its_error_and_entry(tracker_env, tmp
         if not entry.ok:
             assert run.data.tags["rcpu_bench.error"] == "RuntimeError: simulated failure"
             assert set(run.data.metrics) == {"time/cell"}
+    exits = {}
+    for path in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"):
+        summary = json.loads(subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--summary",
+                                             "--json", str(path)], capture_output=True, text=True, check=True,
+                                            timeout=120).stdout)
+        exits[summary["config"]["rcpu_bench.status"]] = (summary["state"], summary["exit_code"])
+    assert exits == {"ok": ("finished", 0), "failed": ("failed", 1)}

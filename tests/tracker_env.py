@@ -3,6 +3,7 @@ directory and made-up secrets set where a tracker or the Hugging Face libraries 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,12 @@ def offline(env: pytest.MonkeyPatch, root: Path) -> None:
     env.setenv(DISABLE_AUTOLOAD, "1")
     for name, value in SECRETS.items():
         env.setenv(name, value)
+    fresh_wandb()
+
+
+def fresh_wandb() -> None:
+    """W&B reads its environment once per process (``wandb.setup``): tear that down, so that the next run reads the
+    environment a test set (an earlier test's WANDB_MODE would be kept otherwise)."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None:
+        wandb.teardown()

@@ -23,7 +23,7 @@ until curl -sf "$url/health" >/dev/null; do
     sleep 1
 done
 # The matrix's experiment (named by the matrix), and a shared view of it: sorted by the first perplexity, its columns
-# the perplexities, the calibration perplexity, the fraction removed and the run's seconds.
+# the method, the ratio, the perplexities, the calibration perplexity, the fraction removed and the run's seconds.
 page=$("$python" - "$results" "$url" <<'PY'
 import json, sys, urllib.parse, urllib.request
 from rcpu_bench.tracking.content import metric_key
@@ -36,9 +36,8 @@ with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/get-by-name?{quer
 metrics = [metric_key("ppl", p) for p in entry["cell"]["ppl_profiles"]]
 metrics += ["ppl/calibration", "parameters/removed_fraction", "time/total"]
 columns = [f"metrics.`{name}`" for name in metrics]
-widths = {"attributes.`Run Name`": 520, **{column: 190 for column in columns}}
-view = {"selectedColumns": ["attributes.`Run Name`", *columns], "columnWidths": widths, "orderByKey": columns[0],
-        "orderByAsc": True}
+view = {"selectedColumns": ["attributes.`Run Name`", "params.`method_label`", "params.`prune.ratio`", *columns],
+        "orderByKey": columns[0], "orderByAsc": True}
 tag = {"experiment_id": experiment, "key": "mlflow.sharedViewState.docs", "value": json.dumps(view)}
 request = urllib.request.Request(f"{url}/api/2.0/mlflow/experiments/set-experiment-tag", json.dumps(tag).encode(),
                                  {"Content-Type": "application/json"})

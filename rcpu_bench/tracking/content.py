@@ -134,7 +134,9 @@ def prune_run(record: Mapping[str, Any], *, name: str, model_card: Path | None =
 
 def cell_run(entry: Mapping[str, Any], *, name: str, group: str) -> TrackedRun:
     """The tracker run of one store entry of a matrix (ok or failed): its cell as parameters, its record's figures
-    and the cell's seconds as metrics, the entry as ``record.json``, tags naming the cell, phase and error."""
+    and the cell's seconds as metrics, the entry as ``record.json``, tags naming the cell, phase and error; the entry
+    as the store holds it (tuples as lists)."""
+    entry = json.loads(as_json(entry))
     ok, record = entry["status"] == "ok", entry.get("record")
     metrics = {**(record_metrics(record) if ok and record else {}), "time/cell": float(entry["seconds"])}
     tags = {f"{PREFIX}cell_id": entry["cell_id"], f"{PREFIX}matrix": group, f"{PREFIX}status": entry["status"]}
