@@ -169,7 +169,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         versions=library_versions(),
         environment=environment(experiment.device),
         parameters={"before": params_before, "after": params_after,
-                    "removed_fraction": 1 - params_after / params_before},
+                    "removed_fraction": 1 - params_after / params_before,
+                    **_unpruned(experiment.prune.prune, report.layers)},
         perplexity=ppl,
         # On the calibration windows themselves: the paper's rule for choosing the ridge λ (appendix bestlam).
         calibration_ppl=math.exp(calib_nll / calib_targets) if calib_targets else None,
@@ -195,6 +196,14 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         save_pruned(model, experiment.save_dir, tokenizer=tokenizer, method=experiment.prune.to_dict(),
                     provenance=loaded.provenance, record=record.to_json())
     return record
+
+
+def _unpruned(modules: tuple[str, ...], layers: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """``{"unpruned_modules": [...]}``: the modules asked to be pruned that lost no unit in any layer (the ratio's
+    ⌊ρ·n⌋ is 0 under the GQA rule), which the tables mark; empty when every module lost units (or a whole-model method
+    reported no layers)."""
+    unpruned = [m for m in modules if layers and all(layer[m]["units_pruned"] == 0 for layer in layers if m in layer)]
+    return {"unpruned_modules": unpruned} if unpruned else {}
 
 
 def _summary(entry: dict[str, Any]) -> dict[str, Any]:
