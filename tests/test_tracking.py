@@ -104,7 +104,7 @@ def test_metric_names_are_valid_mlflow_names_one_per_evaluation_slice(base, slic
 def test_the_record_figures_become_metrics():
     record = {"perplexity": [{"profile": "rcpu128[0:8]", "ppl": 31.5}, {"profile": "tinystories", "ppl": 7.25}],
               "dense_perplexity": [{"profile": "tinystories", "ppl": 6.5}], "calibration_ppl": None,
-              "parameters": {"before": 1000, "after": 800, "removed_fraction": 0.2},
+              "parameters": {"before": 1000, "after": 800, "removed_fraction": 0.2, "unpruned_modules": ["attention"]},
               "timing": {"total_seconds": 12.0, "prune_seconds": {"statistics": 2.0, "solve": 0.5}, "layers": []},
               "peak_memory_bytes": 4096, "inference": {"prefill_tokens_per_s": 900.0, "decode_tokens_per_s": 40.0,
                                                        "device": "cpu", "repeats": 3},

@@ -64,13 +64,15 @@ def figures(record: dict[str, Any], seconds: float | None = None) -> dict[str, f
 
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory):
-    """A tiny matrix (dense, RCPU, ridge at two λ) run twice with ``--report-to mlflow,wandb``; its output."""
+    """A tiny matrix (dense, RCPU, ridge at two λ; at 10 % no head is pruned, which the records say) run twice with
+    ``--report-to mlflow,wandb``; its output."""
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
     if not STORIES_MHA.is_dir():
         pytest.skip(f"fixture models not found ({STORIES_MHA})")
     root = tmp_path_factory.mktemp("tracked")
-    matrix = write_matrix(root / "tiny.yaml", tiny_raw(["rcpu-rot", RIDGE], lambdas=[0.01, 1.0], include_dense=True))
+    matrix = write_matrix(root / "tiny.yaml", tiny_raw(["rcpu-rot", RIDGE], lambdas=[0.01, 1.0], include_dense=True,
+                                                            ratios=[0.1]))
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as env, redirect_stdout(out), redirect_stderr(out):
         offline(env, root)
@@ -94,6 +96,8 @@ def test_each_cell_is_one_mlflow_run_with_its_cell_record_and_figures(tracked):
     client, runs = mlflow_runs(tracked.results)
     cells = {run.data.tags["rcpu_bench.cell_id"]: run for run in runs if "rcpu_bench.cell_id" in run.data.tags}
     assert sorted(cells) == sorted(tracked.entries) and len(tracked.entries) == 4
+    unpruned = [entry["record"]["parameters"].get("unpruned_modules") for entry in tracked.entries.values()]
+    assert unpruned.count(["attention"]) == 3  # the pruned cells: the record holds more than the counts
     for cell_id, entry in tracked.entries.items():
         run = cells[cell_id]
         assert run.info.run_name == f"{cell_id} {tracked.labels[cell_id]}" and run.info.status == "FINISHED"

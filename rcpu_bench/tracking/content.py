@@ -37,6 +37,7 @@ PREFIX = "rcpu_bench."  # of the tags rcpu-bench sets
 SPEED = {"inference": "speed", "inference_llama_cpp": "speed_llama_cpp"}
 SPEED_FIGURES = ("prefill_tokens_per_s", "decode_tokens_per_s")
 ACCURACIES = ("acc", "acc_norm")
+PARAMETERS = ("before", "after", "removed_fraction")  # the counts of a record's parameters (not its unpruned_modules)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def record_metrics(record: Mapping[str, Any]) -> dict[str, float]:
     if record.get("calibration_ppl") is not None:
         metrics["ppl/calibration"] = record["calibration_ppl"]
     metrics.update(_zeroshot(record.get("zeroshot") or {}))
-    metrics.update({metric_key("parameters", key): value for key, value in record["parameters"].items()})
+    metrics.update({metric_key("parameters", key): record["parameters"][key] for key in PARAMETERS})
     timing = record["timing"]
     metrics["time/total"] = timing["total_seconds"]
     metrics.update({metric_key("time", phase): seconds for phase, seconds in timing["prune_seconds"].items()})
