@@ -17,6 +17,7 @@ from rcpu_bench.declaration import Option, add_argument
 from rcpu_bench.declaration import markdown_table as options_table
 from rcpu_bench.evaluation import EVAL_BATCH_SIZE
 from rcpu_bench.model.loading import DEFAULT_DEVICE, DEFAULT_DTYPE, DTYPES, resolve_device, resolve_dtype
+from rcpu_bench.tracking import TRACKERS
 
 OPTIONS: tuple[Option, ...] = (
     Option("revision", "text", None, "hub revision (branch, tag or commit) to pin; recorded"),
@@ -29,9 +30,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("eval_batch_size", "count", EVAL_BATCH_SIZE, "sequences per evaluation forward pass: perplexity, lm-eval, "
            "timing (does not change perplexity or accuracy; speed's recorded figures are measured at 1)"),
     Option("zeroshot_limit", "count", None, "examples per zero-shot task, for quick runs (null: all)"),
+    Option("report_to", "subset", (), "experiment trackers that log each run (transformers' report_to): "
+           f"{', '.join(TRACKERS)} (a comma list) or none; run --report-to replaces a matrix's report_to",
+           choices=TRACKERS, shown="none"),
 )
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 MODEL = ("revision", "trust_remote_code", "dtype", "device")  # what every command that loads a model takes
+TABLED = tuple(option for option in OPTIONS if option.name not in ("zeroshot_limit", "report_to"))  # of every command
 
 
 def default(name: str) -> Any:
@@ -46,5 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser, names: Iterable[str]) -> None
 
 
 def markdown_table() -> str:
-    """The README's table of the experiment-level options as command-line flags."""
-    return options_table(option for option in OPTIONS if option.name != "zeroshot_limit")
+    """The reference's table of the experiment-level options that every command loading a model takes, as
+    command-line flags (a matrix's ``zeroshot_limit`` and the trackers of ``prune`` and ``run`` are not among them)."""
+    return options_table(TABLED)

@@ -99,7 +99,7 @@ def declared_flags() -> dict[str, set[str]]:
     from rcpu_bench.pruning import options
 
     return {"run options": {option.flag for option in options.OPTIONS},
-            "experiment options": {option.flag for option in experiment_options.OPTIONS}}
+            "experiment options": {option.flag for option in experiment_options.TABLED}}
 
 
 def command_section(name: str, summary: str, parser: argparse.ArgumentParser, shared: dict[str, set[str]]) -> str:

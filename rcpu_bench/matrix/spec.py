@@ -31,6 +31,7 @@ model (ratio 0) when ``include_dense`` is set. Every key in an example (their me
     skip: [speed, sample]           # measurements left out: calibration-ppl (λ-grid cells keep it), speed, sample
     prune: {batch_size: 8}          # options for every method (a method's own options win)
     ablation: {compensate: [none, o_proj, down_proj, both]}
+    report_to: [mlflow]             # experiment trackers logging each cell: mlflow, wandb (default: none)
 
 Every key is declared once, with its reader, default and help (:data:`TOP_KEYS` here, the nested ones in
 :mod:`rcpu_bench.matrix.entries`, generic readers in :mod:`rcpu_bench.matrix.schema`). A method runs over
@@ -84,6 +85,7 @@ from rcpu_bench.matrix.schema import (
     option_key,
     optional,
     read_keys,
+    subset,
     text,
 )
 from rcpu_bench.pruning.methods import CUSTOM, RECIPES, method_label, recipe_of
@@ -148,6 +150,7 @@ TOP_KEYS = (
     matrix_key("prune", read_prune, "options for every method (a method's own options win)", {}),
     matrix_key("ablation", lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
         "{compensate: [...]}: multiply the methods by the modules compensated", (), "none"),
+    option_key(experiment_options.BY_NAME["report_to"], subset),
 )
 
 
@@ -184,6 +187,7 @@ class Matrix:
     skip: tuple[str, ...] = _key_default("skip")
     prune: dict[str, Any] = _key_default("prune")
     compensate: tuple[str, ...] = _key_default("ablation")
+    report_to: tuple[str, ...] = _key_default("report_to")
 
 
 def parse_matrix(raw: Any, default_name: str = "matrix") -> Matrix:
