@@ -193,7 +193,8 @@ def test_a_failed_cell_is_a_failed_run_with_its_error_and_entry_logged_after_it_
         logged = client.download_artifacts(run.info.run_id, "record.json", str(tmp_path / run.info.run_id))
         assert json.loads(Path(logged).read_text()) == entry.to_json()
         if not entry.ok:
-            assert run.data.tags["rcpu_bench.error"] == "RuntimeError: simulated failure"
+            assert run.data.tags["rcpu_bench.error"] == ("RuntimeError: compensator 'explode' from exploding failed on "
+                                                         "layer 0: RuntimeError: simulated failure")
             assert set(run.data.metrics) == {"time/cell"}
     exits = {}
     for path in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"):

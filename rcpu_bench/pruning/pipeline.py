@@ -97,6 +97,8 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
     peak_memory.reset(device)
     if config.model_method is not None:
         return _run_model_method(model, calib_ids, config, methods, device)
+    if config.ratio == 0 and config.compensator == "none" and not config.holdout:  # the dense model: nothing to do
+        return PruneReport([], {}, peak_memory.peak_bytes(device))
     check_prunable(model, [m for m in MODULES if m in config.prune])
     layers = decoder_layers(model)
     totals = Timer(device)
