@@ -51,7 +51,9 @@ def register_compensators(register: Register) -> None:
 
 @hookimpl
 def register_model_methods(register: Register) -> None:
-    register("shortgpt", depth.shortgpt, description="ShortGPT: remove the layers of lowest block influence "
-             "BI = 1 − E[cos(x_in, x_out)], as many as match width pruning's parameters at ratio (Men et al. 2024)")
-    register("replaceme", depth.replaceme, description="ReplaceMe (LS): replace the closest run of layers by a "
-             "linear map T merged into the preceding down_proj, parameter-matched (Shopkhoev et al. 2025)")
+    register("shortgpt", depth.shortgpt, check=depth.check_ratio, description="ShortGPT: remove the layers of lowest "
+             "block influence BI = 1 − E[cos(x_in, x_out)], as many as match width pruning's parameters at ratio "
+             "(Men et al. 2024)")
+    register("replaceme", depth.replaceme, check=depth.check_ratio, description="ReplaceMe (LS): replace the closest "
+             "run of layers by a linear map T merged into the preceding down_proj, parameter-matched "
+             "(Shopkhoev et al. 2025)")

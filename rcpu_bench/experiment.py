@@ -86,9 +86,6 @@ class Experiment:
                                      prune=() if self.prune.model_method else self.prune.prune,
                                      trust_remote_code=self.trust_remote_code)
         skeleton = model_skeleton(config, self.trust_remote_code)
-        method = registry.get("model-method", self.prune.model_method) if self.prune.model_method else None
-        if method is not None and method.check is not None:
-            method.check(skeleton)
         geometries = layer_geometries(skeleton)
         self.prune.check_budget(skeleton, registry)
         for module in self.prune.unpruned_modules(geometries):

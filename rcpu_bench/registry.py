@@ -66,7 +66,7 @@ class Method:
     params: dict[str, Any] = field(default_factory=dict)
     save: Callable[..., Any] | None = None  # model methods: save(model, directory, *, tokenizer, report)
     load: Callable[..., Any] | None = None  # model methods: load(directory, *, dtype, device) -> LoadedModel
-    check: Callable[..., Any] | None = None  # model methods: check(skeleton) raises ValueError when it cannot prune it
+    check: Callable[..., Any] | None = None  # model methods: check(skeleton, *, ratio) raises ValueError when it cannot
     dof: Callable[..., Any] | None = None  # compensators: dof(weight, stats, kept, compensation) -> degrees of freedom
     # Parameter sets whose trial run passed (repr of the sorted items): a matrix validates each set once, not per cell.
     _accepted: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
@@ -146,6 +146,15 @@ def _parameters(fn: Callable[..., Any]) -> dict[str, Any]:
     return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
 
 
+def _takes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Whether ``fn`` can be called with these arguments (its signature binds them)."""
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
 def make_method(kind: Kind, name: str, fn: Callable[..., Any], provider: str, *, needs: str = "moments",
                 description: str | None = None, save: Callable[..., Any] | None = None,
                 load: Callable[..., Any] | None = None, check: Callable[..., Any] | None = None,
@@ -158,6 +167,9 @@ def make_method(kind: Kind, name: str, fn: Callable[..., Any], provider: str, *,
         raise ValueError(f"{kind} {name!r} from {provider}: only model methods take save=, load= and check=")
     if dof is not None and kind != "compensator":
         raise ValueError(f"{kind} {name!r} from {provider}: only compensators take dof=")
+    if check is not None and not _takes(check, None, ratio=0.0):
+        raise ValueError(f"{kind} {name!r} from {provider}: check={getattr(check, '__name__', check)!r} does not take "
+                         "(model, *, ratio); allowed: a function check(model, *, ratio) raising ValueError")
     summary = description or (inspect.getdoc(fn) or "").split("\n")[0]
     return Method(kind, name, fn, provider, needs, summary, _parameters(fn), save, load, check, dof)
 

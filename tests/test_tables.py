@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from rcpu_bench.commands import main
 from rcpu_bench.matrix.store import Entry, StoredResult, read_results
 from rcpu_bench.pruning.methods import RECIPES
+from rcpu_bench.pruning.timing import PHASES
 from rcpu_bench.tables import results as values
 from rcpu_bench.tables.layout import spec
 from rcpu_bench.tables.paper import PaperNumbers, mark_disagreements, paper_table, read_paper
@@ -51,8 +52,8 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
             "n_calib": n_calib, "seqlen": seqlen, "calib": f"wikitext2:{n_calib}x{seqlen}", "prune": config,
             "ppl_profiles": ["rcpu128"], "eval": ["ppl"] + (["zeroshot"] if zeroshot else []),
             "dtype": "float32", "device": "cuda"}
-    layers = [{"layer": i, "statistics": prune_seconds / n_layers / 2, "solve": prune_seconds / n_layers / 2}
-              for i in range(n_layers)]
+    layers = [{"layer": i, "statistics": prune_seconds / n_layers / 4, "solve": prune_seconds / n_layers / 2}
+              for i in range(n_layers)]  # the run's seconds of a layer phase are its layers' (below)
     record = {
         "experiment": {"model": cell["model"], "prune": config, "calib": cell["calib"], "ppl_profiles": ["rcpu128"],
                        "dtype": "float32"},
@@ -302,16 +303,17 @@ def test_efficiency_table_reports_the_pruned_models_size_beside_peak_memory():
                entry("rcpu-rot", 0.1, 13.55, params_after=6_100_000_000, peak_bytes=3 * 2**30, prune_seconds=267.52)]
     (table,) = tables_of(entries, "efficiency")
     assert [c.header for c in table.columns] == ["Params", "Model size (MiB)", "Peak memory (MiB)", "Seconds per layer",
-                                                 "statistics s/layer", "score s/layer", "solve s/layer",
-                                                 "forward s/layer", "Device", "Prefill tok/s", "Decode tok/s"]
-    # Model size: float32 weights, 4 bytes a parameter. The synthetic layers split each layer's prune_seconds / 32
-    # evenly into statistics and solve; no score or forward timings, no environment or experiment device and no
-    # inference measurement (blank).
+                                                 "capture s/layer", "statistics s/layer", "solve s/layer", "Device",
+                                                 "Prefill tok/s", "Decode tok/s"]
+    # Model size: float32 weights, 4 bytes a parameter. The synthetic runs spend a quarter of their prune_seconds
+    # capturing, a quarter on statistics and half solving, over 32 layers; the phases no run timed (score,
+    # forward, ...) have no column; no environment or experiment device and no inference measurement (blank).
     dense_mib, pruned_mib = 6_738_415_616 * 4 / 2**20, 6_100_000_000 * 4 / 2**20
-    assert grid(table) == [("Original", 0.0, 6_738_415_616, pytest.approx(dense_mib), 25_705.0, 0.0, 0.0, None, 0.0,
-                            None, None, None, None),
+    assert grid(table) == [("Original", 0.0, 6_738_415_616, pytest.approx(dense_mib), 25_705.0, 0.0, 0.0, 0.0, 0.0,
+                            None, None, None),
                            ("RCPU (Rot.)", 0.1, 6_100_000_000, pytest.approx(pruned_mib), 3072.0, pytest.approx(8.36),
-                            pytest.approx(267.52 / 64), None, pytest.approx(267.52 / 64), None, None, None, None)]
+                            pytest.approx(267.52 / 128), pytest.approx(267.52 / 128), pytest.approx(267.52 / 64), None,
+                            None, None)]
     assert round(dense_mib) == 25_705  # the paper's "Memory size" of Llama-7B in FP32
     assert "| RCPU (Rot.) | 10%  | 6.10B    | 23,270             | 3,072               | 8.36 " in render([table], "md")
 
@@ -322,7 +324,7 @@ def test_sizes_and_memory_are_never_marked_but_seconds_are():
                entry("flap", 0.1, 14.1, params_after=5_900_000_000, peak_bytes=1 * 2**30, prune_seconds=300.0)]
     (table,) = tables_of(entries, "efficiency")
     marked = {table.columns[j].header for (_, j), _ in table_marks(table).items()}
-    assert marked == {"Seconds per layer", "statistics s/layer", "solve s/layer"}
+    assert marked == {"Seconds per layer", "capture s/layer", "statistics s/layer", "solve s/layer"}
 
 
 def test_model_size_needs_a_known_dtype():
@@ -337,16 +339,32 @@ def test_efficiency_table_shows_the_measured_device_and_generation_speed():
     timed["record"]["timing"]["layers"] = [
         {"layer": 0, "statistics": 0.5, "score": 0.25, "solve": 2.0, "forward": 1.0},
         {"layer": 1, "statistics": 1.5, "score": 0.75, "solve": 4.0, "forward": 3.0}]
+    timed["record"]["timing"]["prune_seconds"] = {"capture": 0.5, "statistics": 2.0, "score": 1.0, "solve": 6.0,
+                                                  "forward": 4.0}
     timed["record"]["environment"] = {"device_name": "NVIDIA H100 80GB HBM3", "threads": 8}
     timed["record"]["inference"] = {"batch_size": 1, "prompt_tokens": 128, "new_tokens": 64,
                                     "prefill_tokens_per_s": 12345.6, "decode_tokens_per_s": 78.9, "device": "cuda"}
     untimed = entry("wanda-sp", 0.1, 14.0)
     (table,) = tables_of([timed, untimed], "efficiency")
     rows = {row.label: row.cells[4:] for row in table.rows}
-    assert rows["RCPU (Rot.)"] == (1.0, 0.5, 3.0, 2.0, "NVIDIA H100 80GB HBM3", 12345.6, 78.9)
+    assert rows["RCPU (Rot.)"] == (0.25, 1.0, 0.5, 3.0, 2.0, "NVIDIA H100 80GB HBM3", 12345.6, 78.9)
     assert rows["WANDA-sp"][-3:] == (None, None, None)
     text = render([table], "md")
     assert "NVIDIA H100 80GB HBM3" in text and "12,346" in text and "| 79 " in text
+
+
+def test_every_declared_phase_has_a_column_in_the_tables_of_slots_that_timed_it():
+    phases = ["allocation", "capture", "statistics", "score", "solve", "forward", "holdout", "offload"]
+    assert list(PHASES) == phases  # the declaration the pipeline times and the table reads
+    timed = entry("rcpu-rot", 0.1, 13.55, n_layers=4)
+    timed["record"]["timing"]["prune_seconds"] = {phase: float(i + 1) for i, phase in enumerate(phases)}
+    other_model = entry("rcpu-rot", 0.1, 9.0, model="Llama-2-13B")  # capture, statistics and solve only
+    every, some = tables_of([timed, other_model], "efficiency")
+    headers = [c.header for c in every.columns]
+    assert headers[headers.index("Seconds per layer") + 1:headers.index("Device")] == [f"{p} s/layer" for p in phases]
+    assert every.rows[0].cells[4:12] == tuple((i + 1) / 4 for i in range(8))
+    assert [c.header for c in some.columns if c.header.endswith("s/layer")] == [
+        "capture s/layer", "statistics s/layer", "solve s/layer"]
 
 
 def test_llama_cpp_speed_columns_appear_only_in_the_tables_of_slots_that_measured_it():

@@ -15,6 +15,7 @@ and the report records both counts.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
 import torch
@@ -22,9 +23,10 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from rcpu_bench.model.adapter import decoder_layers, layer_view
-from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
 from rcpu_bench.model.views import MODULES
 from rcpu_bench.pruning.allocation import units_to_prune
+from rcpu_bench.pruning.options import PruneConfig
+from rcpu_bench.pruning.walk import LayerStep, walk_layers
 
 BATCH = 8  # calibration windows per forward pass
 
@@ -49,12 +51,10 @@ def matched_layer_count(model: nn.Module, ratio: float) -> tuple[int, float]:
     return count, width
 
 
-def check_ratio(method: Any, model: nn.Module, ratio: float) -> None:
-    """Raise the one-line error of ``matched_layer_count`` before any work when ``method`` (a registered model
-    method's function) is a depth method whose ``ratio`` matches no layer or every one; ``model`` may be a
-    weightless (meta) skeleton."""
-    if method in (shortgpt, replaceme):
-        matched_layer_count(model, ratio)
+def check_ratio(model: nn.Module, /, *, ratio: float) -> None:
+    """The depth methods' ``check=``: raise the one-line error of ``matched_layer_count`` before any work when
+    ``ratio`` matches no layer or every one; ``model`` may be a weightless (meta) skeleton."""
+    matched_layer_count(model, ratio)
 
 
 def _cosine_sum(a: Tensor, b: Tensor) -> Tensor:
@@ -63,24 +63,20 @@ def _cosine_sum(a: Tensor, b: Tensor) -> Tensor:
     return torch.nn.functional.cosine_similarity(a, b, dim=-1).sum()
 
 
-@torch.no_grad()
-def layer_streams(model: nn.Module, calib_ids: Tensor, device: torch.device):
-    """Yield (index, layer, inputs, outputs) for each decoder layer of the dense model, one layer at a time."""
-    inputs = capture_layer_inputs(model, calib_ids, BATCH, device)
-    for index, layer in enumerate(decoder_layers(model)):
-        outputs = run_layer(layer, inputs)
-        yield index, layer, inputs, outputs
-        inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
+def dense_walk(model: nn.Module, calib_ids: Tensor) -> Iterator[LayerStep]:
+    """The layer walk over the dense model on its own device, in batches of :data:`BATCH` windows: each layer's
+    inputs and outputs."""
+    device = next(model.parameters()).device
+    return walk_layers(model, calib_ids, PruneConfig(batch_size=BATCH), device)
 
 
 def block_influence(model: nn.Module, calib_ids: Tensor) -> Tensor:
     """ShortGPT's BI_l = 1 − mean over tokens of cos(x_in, x_out) of each layer (float64, shape (L,))."""
-    device = next(model.parameters()).device
     scores = []
-    for _, _, inputs, outputs in layer_streams(model, calib_ids, device):
-        total = sum(_cosine_sum(x.hidden, out) for x, out in zip(inputs, outputs, strict=True))
-        tokens = sum(x.hidden.shape[0] * x.hidden.shape[1] for x in inputs)
-        scores.append(1 - total / tokens)
+    for step in dense_walk(model, calib_ids):
+        total = sum(_cosine_sum(x.hidden, out) for x, out in zip(step.inputs, step.outputs, strict=True))
+        tokens = sum(x.hidden.shape[0] * x.hidden.shape[1] for x in step.inputs)
+        scores.append(1 - cast(Tensor, total) / tokens)
     return torch.stack(scores)
 
 
@@ -120,17 +116,16 @@ def shortgpt(model: nn.Module, calib_ids: Tensor, /, *, ratio: float) -> dict[st
 def cut_distances(model: nn.Module, calib_ids: Tensor, count: int) -> Tensor:
     """Mean cosine distance 1 − E[cos(x_in(i), x_out(i+count−1))] of every run of ``count`` layers starting at
     i = 1 … L−count (a run needs a preceding layer to absorb T); entry 0 is +inf."""
-    device = next(model.parameters()).device
     n_layers = len(decoder_layers(model))
     distances = torch.full((n_layers - count + 1,), float("inf"), dtype=torch.float64)
     starts: dict[int, list[Tensor]] = {}
-    for index, _, inputs, outputs in layer_streams(model, calib_ids, device):
-        if 1 <= index <= n_layers - count:
-            starts[index] = [x.hidden for x in inputs]
-        start = index - count + 1
+    for step in dense_walk(model, calib_ids):
+        if 1 <= step.index <= n_layers - count:
+            starts[step.index] = [x.hidden for x in step.inputs]
+        start = step.index - count + 1
         if start in starts:
             held = starts.pop(start)
-            total = sum(_cosine_sum(a, b) for a, b in zip(held, outputs, strict=True))
+            total = sum(_cosine_sum(a, b) for a, b in zip(held, step.outputs, strict=True))
             distances[start] = 1 - total / sum(a.shape[0] * a.shape[1] for a in held)
     return distances
 
@@ -144,11 +139,12 @@ def replaceme_transform(model: nn.Module, calib_ids: Tensor, start: int, count: 
     hook = layer_view(decoder_layers(model)[start - 1]).block("mlp").register_forward_hook(
         lambda _m, _a, out: mlp_out.append(out))
     try:
-        for index, _, _, outputs in layer_streams(model, calib_ids, device):
-            if index == start - 1:
+        for step in dense_walk(model, calib_ids):
+            outputs = step.outputs
+            if step.index == start - 1:
                 rest = [out - m for out, m in zip(outputs, mlp_out, strict=True)]
                 hook.remove()
-            if index == start + count - 1:
+            if step.index == start + count - 1:
                 break
     finally:
         hook.remove()

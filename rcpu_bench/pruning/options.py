@@ -22,7 +22,6 @@ from rcpu_bench.declaration import Kind, Option, add_argument
 from rcpu_bench.declaration import markdown_table as options_table
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.views import MODULES
-from rcpu_bench.pruning import depth
 from rcpu_bench.pruning.allocation import AL_AM, UNIFORM
 from rcpu_bench.selection.select import Rounding, kept_multiple, n_pruned
 from rcpu_bench.statistics.activations import GramPrecision
@@ -111,6 +110,11 @@ class PruneConfig:
                                  "'uniform' or 'al-am'")
             self.structure, self.allocation = AL_AM, UNIFORM
 
+    @property
+    def pruned_modules(self) -> tuple[str, ...]:
+        """The modules this run prunes, in the order it prunes them (:data:`MODULES`: attention, then the MLP)."""
+        return tuple(module for module in MODULES if module in self.prune)
+
     def validate(self, registry: Registry) -> None:
         """Raise a clear error for any bad value before work starts: each option's own check, then the registry's."""
         for option in OPTIONS:
@@ -141,14 +145,16 @@ class PruneConfig:
 
     def check_budget(self, skeleton: nn.Module, registry: Registry) -> None:
         """Raise a clear error for every limit the model's shape decides, before its weights load: the units each
-        layer loses under the allocation (``check_units``), ``round_to`` against each module's units, and a depth
-        method's layer count (``depth.check_ratio``); ``skeleton`` may be weightless (meta)."""
+        layer loses under the allocation (``check_units``), ``round_to`` against each module's units, and a whole-model
+        method's own check of the model at the ratio (its ``check=``: a depth method's layer count, say);
+        ``skeleton`` may be weightless (meta)."""
         geometries = layer_geometries(skeleton)
         self.check_units(geometries, self.layer_ratios(registry, len(geometries)))
         if self.round_to:
             self._check_round_to(geometries)
-        if self.model_method is not None:
-            depth.check_ratio(registry.get("model-method", self.model_method).fn, skeleton, self.ratio)
+        method = registry.get("model-method", self.model_method) if self.model_method is not None else None
+        if method is not None and method.check is not None:
+            method.check(skeleton, ratio=self.ratio)
 
     def layer_ratios(self, registry: Registry, n_layers: int) -> list[float] | None:
         """The allocation profile's per-layer ratios, computed as the pipeline computes them (so a budget it cannot

@@ -98,9 +98,8 @@ def slots(views: Sequence[LayerView], modules: Sequence[str], config: PruneConfi
     grid = []
     for index, view in enumerate(views):
         for module in modules:
-            mapping = view.units(module, config.gqa_rule)
-            n = view.projection(module).weight.shape[1] // mapping.unit_size
-            uniform = units_to_prune(mapping, n, config.ratio, config.rounding)
+            n = view.n_units(module, config.gqa_rule)
+            uniform = units_to_prune(view.units(module, config.gqa_rule), n, config.ratio, config.rounding)
             size = max(1, round(step * n))
             counts = {k: uniform + k * size for k in levels if 0 <= uniform + k * size < n}
             grid.append(Slot(index, module, uniform, counts, int(view.unit_cost(module))))
@@ -259,8 +258,7 @@ class Supernet:
         device = view.projection(slot.module).weight.device
         candidate = torch.load(self._candidate(i, level), map_location=device)
         mapping = view.units(slot.module, self.gqa_rule)
-        n_units = view.projection(slot.module).weight.shape[1] // mapping.unit_size
-        kept = torch.ones(n_units, dtype=torch.bool)
+        kept = torch.ones(view.n_units(slot.module, self.gqa_rule), dtype=torch.bool)
         kept[candidate["pruned"].cpu()] = False
         units = Selection(kept.nonzero().flatten(), (~kept).nonzero().flatten())
         view.apply(slot.module, units.columns(mapping.unit_size), candidate["weight"], candidate["bias"],

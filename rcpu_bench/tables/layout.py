@@ -23,6 +23,7 @@ from rcpu_bench.tables.results import (
     LAMBDA,
     LLAMA_CPP_SPEED,
     LLAMA_CPP_SPEED_EXTRACTS,
+    MEASURED_ONLY,
     PAPER_PROFILE,
     PPL,
     Extract,
@@ -160,7 +161,6 @@ class Spec:
     metrics: tuple[tuple[Metric, Extract], ...]
     per_slot: bool  # one table per (model, N_calib), else one table with a column group per slot
     paper: str  # the table kind in the paper CSV (none for the "other" kinds)
-    optional: tuple[tuple[Metric, Extract], ...] = ()  # further metrics, shown where a row of the slot has them
 
 
 OTHERS = " of other scorer × compensator combinations"
@@ -184,8 +184,8 @@ def spec(kind: str, profile: str = PAPER_PROFILE, metric_map: str = "paper") -> 
                     zeroshot_metrics(metric_map), per_slot=True, paper=kind)
     if kind == "efficiency":
         return Spec("Pruned model size, pruning cost and speed", any_row,
-                    tuple(zip(EFFICIENCY, EFFICIENCY_EXTRACTS, strict=True)), per_slot=True, paper="efficiency",
-                    optional=tuple(zip(LLAMA_CPP_SPEED, LLAMA_CPP_SPEED_EXTRACTS, strict=True)))
+                    tuple(zip((*EFFICIENCY, *LLAMA_CPP_SPEED), (*EFFICIENCY_EXTRACTS, *LLAMA_CPP_SPEED_EXTRACTS),
+                              strict=True)), per_slot=True, paper="efficiency")
     raise ValueError(f"unknown table {kind!r}; allowed: {', '.join(TABLE_KINDS)}, all")
 
 
@@ -228,14 +228,14 @@ def _assemble(title: str, table_spec: Spec, slots: Sequence[Slot], grid: Mapping
 def _slot_columns(table_spec: Spec, slot: Slot, grid: Mapping[tuple[Slot, RowKey], Chosen],
                   paper: Reference | None) -> list[tuple[Column, Getter]]:
     """One slot's columns and how to fill them: each metric (then the paper's, where the paper has numbers for
-    this slot), each optional metric that a row of the slot has, then λ_best if any row has a λ."""
+    this slot; a metric of ``MEASURED_ONLY`` only where a row of the slot has it), then λ_best if any row has a λ."""
     model, n_calib = slot
     prefix, group = ("", "") if table_spec.per_slot else (f"N_calib={n_calib}", model)
     found = {row: chosen for (s, row), chosen in grid.items() if s == slot}
-    measured = [(metric, extract) for metric, extract in table_spec.optional
-                if any(extract(chosen.result.record) is not None for chosen in found.values())]
+    shown = [(metric, extract) for metric, extract in table_spec.metrics if metric.key not in MEASURED_ONLY
+             or any(extract(chosen.result.record) is not None for chosen in found.values())]
     pairs: list[tuple[Column, Getter]] = []
-    for metric, extract in (*table_spec.metrics, *measured):
+    for metric, extract in shown:
         header = join(prefix, metric.header)
         pairs.append((Column(header, group, metric), _ours(found, extract)))
         if paper is not None and paper.reports(table_spec.paper, slot, metric.key):

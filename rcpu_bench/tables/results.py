@@ -13,10 +13,10 @@ from typing import Any, Literal
 
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
 from rcpu_bench.matrix.store import StoredResult
+from rcpu_bench.pruning.timing import PHASES
 from rcpu_bench.records import Record
 
 PAPER_PROFILE = "rcpu128"  # the paper's WikiText-2 perplexities use the seqlen-128 protocol
-PRUNE_PHASES = ("statistics", "score", "solve", "forward")  # rcpu_bench.pruning.pipeline's per-layer timings
 BYTES_PER_PARAMETER = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 Better = Literal["lower", "higher"]
@@ -57,12 +57,13 @@ TASK_HEADERS = {"boolq": "BoolQ", "piqa": "PIQA", "hellaswag": "Hella", "winogra
 MEAN = Metric("mean", "Mean", "higher")
 # Sizes are facts of the pruned model, not scores: never marked. "memory_mib" is the paper's "Memory size":
 # the pruned model's weights (parameters × bytes per parameter), not the peak memory of pruning.
+PHASE_METRICS = tuple(Metric(f"{phase}_seconds_per_layer", f"{phase} s/layer", "lower", decimals=3)
+                      for phase in PHASES)  # every declared phase (rcpu_bench.pruning.timing), where measured
 EFFICIENCY = (Metric("params", "Params", None, decimals=0, style="si"),
               Metric("memory_mib", "Model size (MiB)", None, decimals=0, style="grouped"),
               Metric("peak_memory_mib", "Peak memory (MiB)", None, decimals=0, style="grouped"),
               Metric("seconds_per_layer", "Seconds per layer", "lower"),
-              *(Metric(f"{phase}_seconds_per_layer", f"{phase} s/layer", "lower", decimals=3)
-                for phase in PRUNE_PHASES),
+              *PHASE_METRICS,
               Metric("device", "Device", None, style="text"),
               Metric("prefill_tokens_per_s", "Prefill tok/s", "higher", decimals=0, style="grouped"),
               Metric("decode_tokens_per_s", "Decode tok/s", "higher", decimals=0, style="grouped"))
@@ -71,6 +72,7 @@ LLAMA_CPP_SPEED = (Metric("llama_cpp_prefill_tokens_per_s", "llama.cpp (CPU) pre
                           style="grouped"),
                    Metric("llama_cpp_decode_tokens_per_s", "llama.cpp (CPU) decode tok/s", "higher", decimals=0,
                           style="grouped"))
+MEASURED_ONLY = frozenset(m.key for m in (*PHASE_METRICS, *LLAMA_CPP_SPEED))  # columns shown where a run has them
 METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASK_HEADERS.items()), MEAN, *EFFICIENCY,
                                  *LLAMA_CPP_SPEED)}
 
@@ -140,11 +142,11 @@ def seconds_per_layer(record: Record) -> float | None:
 
 
 def phase_per_layer(phase: str) -> Extract:
-    """Seconds of one pruning phase per layer: Σ_layers t_phase / number of layers; None when no layer has it."""
+    """Seconds of one pruning phase per layer: the run's seconds in it (Σ over layers for a phase of the layer loop)
+    / number of layers; None when the run did not time it or has no layers (a whole-model method)."""
     def extract(record: Record) -> float | None:
-        layers = record.timing["layers"]
-        times = [layer[phase] for layer in layers if phase in layer]
-        return sum(times) / len(layers) if times else None
+        layers, seconds = record.timing["layers"], record.timing["prune_seconds"]
+        return seconds[phase] / len(layers) if layers and phase in seconds else None
     return extract
 
 
@@ -165,7 +167,7 @@ def llama_cpp_inference(key: str) -> Extract:
     return lambda record: (record.inference_llama_cpp or {}).get(key)
 
 
-EFFICIENCY_EXTRACTS = (params, model_size_mib, peak_memory_mib, seconds_per_layer, *map(phase_per_layer, PRUNE_PHASES),
+EFFICIENCY_EXTRACTS = (params, model_size_mib, peak_memory_mib, seconds_per_layer, *map(phase_per_layer, PHASES),
                        device_name, inference("prefill_tokens_per_s"), inference("decode_tokens_per_s"))
 LLAMA_CPP_SPEED_EXTRACTS = (llama_cpp_inference("prefill_tokens_per_s"), llama_cpp_inference("decode_tokens_per_s"))
 
