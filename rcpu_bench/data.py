@@ -46,6 +46,9 @@ TINYSTORIES_CALIB = (0, 500)
 TINYSTORIES_FILE = Path("tinystories") / "validation_first1000.jsonl"
 WIKITEXT_DATASET = ("wikitext", "wikitext-2-raw-v1")
 WIKITEXT_VALID_FILE = Path("wikitext-2-v1") / "wiki.valid.tokens"
+# The CPython 3.11 standard library's top-level modules, split by name: a–m to calibrate on, n–z to score.
+CPYTHON_DIR = Path("code") / "cpython-3.11-stdlib"
+CPYTHON_SPLITS = {"calib": "calib.txt", "test": "test.txt"}
 # How the reference code joins the dataset rows of each split.
 WIKITEXT_JOIN = {"train": " ", "test": "\n\n"}
 SPEC_FORM = "SOURCE[:NxSEQLEN][:seed=S][:bos], e.g. wikitext2:128x128"
@@ -196,6 +199,20 @@ def wikitext2_valid_text(data_dir: Path | str | None = None) -> SourceText:
                       (WIKITEXT_JOIN["train"].join(rows),))
 
 
+def cpython_text(data_dir: Path | str | None = None, split: str = "calib") -> SourceText:
+    """Python source: the CPython 3.11 standard library's top-level modules as one document, the ``calib`` split
+    (modules a–m) or the disjoint ``test`` split (n–z), each file's text joined with "\n\n" in sorted order
+    (``<data_dir>/code/cpython-3.11-stdlib/``)."""
+    if split not in CPYTHON_SPLITS:
+        raise ValueError(f"unknown CPython split {split!r}; allowed: {', '.join(CPYTHON_SPLITS)}")
+    path = _data_dir(data_dir) / CPYTHON_DIR / CPYTHON_SPLITS[split]
+    if not path.is_file():
+        raise FileNotFoundError(f"CPython source file {path} does not exist; allowed: a data directory with "
+                                f"{CPYTHON_DIR / CPYTHON_SPLITS[split]} (--data-dir or ${paths.DATA_ENV})")
+    return SourceText("cpython", f"{split} (modules {'a-m' if split == 'calib' else 'n-z'})", str(path),
+                      sha256_file(path), (path.read_text(encoding="utf-8"),))
+
+
 def tinystories_text(data_dir: Path | str | None = None, stories: tuple[int, int] = TINYSTORIES_CALIB) -> SourceText:
     """The TinyStories validation stories with ``start <= idx < stop``, one document each."""
     start, stop = stories
@@ -261,6 +278,9 @@ SOURCES: dict[str, _Source] = {
         "tinystories[START:STOP] (TinyStories validation stories START..STOP-1; default [0:500])",
         re.compile(r"tinystories(?:\[(\d+):(\d+)\])?"),
         lambda m, data_dir: tinystories_text(data_dir, (int(m[1]), int(m[2])) if m[1] else TINYSTORIES_CALIB)),
+    "cpython": _Source("cpython (Python code: the CPython 3.11 standard library's modules a-m; the cpython128 "
+                       "perplexity profile scores n-z)", re.compile(r"cpython"),
+                       lambda m, data_dir: cpython_text(data_dir, "calib")),
     "file": _Source("file:PATH (a .txt or .jsonl corpus)", re.compile(r"file:(.+)"),
                     lambda m, data_dir: file_text(m[1])),
 }

@@ -57,6 +57,14 @@ def check_metrics(metrics: Mapping[str, float], what: str) -> None:
         raise NonFiniteError(f"{what}: non-finite {', '.join(f'{k} = {v}' for k, v in bad.items())}")
 
 
+def check_logits(model: nn.Module, logits: Tensor, what: str) -> None:
+    """NonFiniteError at a NaN or ±inf in ``model``'s ``logits``, naming a non-finite weight when there is one."""
+    if count_non_finite(logits):
+        check_parameters(model, what)
+        check_tensor(logits, f"{what}: the model's logits (its weights are finite: the forward pass overflowed; "
+                             "try a wider --dtype)")
+
+
 @contextmanager
 def finite_logits(model: nn.Module, what: str) -> Iterator[None]:
     """Check the logits of every forward pass of ``model`` inside the block (perplexity, lm-eval, generate).
@@ -65,11 +73,7 @@ def finite_logits(model: nn.Module, what: str) -> Iterator[None]:
     module; with finite weights the forward pass itself overflowed (a float16 model, say).
     """
     def check(module: nn.Module, args: Any, output: Any) -> None:
-        logits = output.logits if hasattr(output, "logits") else output[0]
-        if count_non_finite(logits):
-            check_parameters(model, what)
-            check_tensor(logits, f"{what}: the model's logits (its weights are finite: the forward pass overflowed; "
-                                 "try a wider --dtype)")
+        check_logits(model, output.logits if hasattr(output, "logits") else output[0], what)
 
     handle = model.register_forward_hook(check)
     try:

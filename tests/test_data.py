@@ -337,3 +337,21 @@ def test_wikitext2_valid_is_the_validation_file_joined_as_the_train_split(tok):
     assert got.provenance.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     with pytest.raises(FileNotFoundError, match="wiki.valid.tokens does not exist"):
         calibration_data("wikitext2-valid:6x32", tok, data_dir=path.parent.parent.parent)
+
+
+@needs_shared
+def test_the_cpython_source_is_the_calibration_file_and_disjoint_from_the_test_file(tok):
+    directory = paths.data_dir() / "code" / "cpython-3.11-stdlib"
+    calib, test = (directory / name for name in ("calib.txt", "test.txt"))
+    got = calibration_data("cpython:5x48:seed=2", tok)
+    ids = tok(calib.read_text(encoding="utf-8"), return_tensors="pt").input_ids
+    assert torch.equal(got.tokens, reference_windows(ids, 5, 48, 2))
+    assert (got.provenance.source, got.provenance.sha256) == ("cpython", hashlib.sha256(calib.read_bytes()).hexdigest())
+    listed = (directory / "FILES.txt").read_text().split("test.txt:")
+    calib_modules, test_modules = (set(part.split()) - {"calib.txt:"} for part in listed)
+    assert calib_modules and test_modules and not calib_modules & test_modules
+    assert data.cpython_text(split="test").sha256 == hashlib.sha256(test.read_bytes()).hexdigest()
+    with pytest.raises(ValueError, match="unknown CPython split 'train'; allowed: calib, test"):
+        data.cpython_text(split="train")
+    with pytest.raises(FileNotFoundError, match="calib.txt does not exist"):
+        calibration_data("cpython:5x48", tok, data_dir=directory)

@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
+from tiny_families import FAMILIES, family_model
+from tiny_models import SHARED, STORIES, TINYSTORIES, WIKI_TEST
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from rcpu_bench import data, paths
-from rcpu_bench.evaluation.perplexity import PROFILES, get_profile, perplexity
+from rcpu_bench.evaluation import perplexity as perplexity_module
+from rcpu_bench.evaluation.perplexity import PROFILES, get_profile, perplexity, profile_sequences, token_nlls
+from rcpu_bench.model.adapter import head_view
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared fixtures not found (set {paths.SHARED_ENV})")
 
@@ -93,6 +96,9 @@ def test_a_window_range_scores_exactly_those_windows(model, tok, wiki_excerpt):
     result = perplexity(model, tok, "rcpu128[2:5]", batch_size=2, data_dir=wiki_excerpt)
     assert (result["profile"], result["n_windows"], result["n_tokens"]) == ("rcpu128[2:5]", 3, 3 * 127)
     assert result["nll_mean"] == pytest.approx(sum(losses[2:5]) / 3, rel=1e-5)
+    strided = perplexity(model, tok, "rcpu128[1:12:5]", batch_size=2, data_dir=wiki_excerpt)
+    assert (strided["profile"], strided["n_windows"]) == ("rcpu128[1:12:5]", 3)  # windows 1, 6, 11
+    assert strided["nll_mean"] == pytest.approx((losses[1] + losses[6] + losses[11]) / 3, rel=1e-5)
 
 
 def test_std2048_is_capped_at_max_position_embeddings(model, tok, wiki_excerpt):
@@ -141,13 +147,18 @@ def test_the_training_mode_is_restored(tok, wiki_excerpt):
 
 
 def test_profile_registry_and_errors(model, tok, wiki_excerpt):
-    assert set(PROFILES) == {"rcpu128", "rcpu128-bos", "std2048", "tinystories"}
+    assert set(PROFILES) == {"rcpu128", "rcpu128-bos", "std2048", "cpython128", "tinystories"}
     assert get_profile("tinystories[500:1000]").stories == (500, 1000)
     assert get_profile("rcpu128[0:10]").windows == (0, 10) and get_profile("rcpu128[0:10]").stories is None
-    with pytest.raises(ValueError, match="'wiki128'.*rcpu128, rcpu128-bos, std2048, tinystories"):
+    assert get_profile("cpython128[3:20:4]").windows == (3, 20) and get_profile("cpython128[3:20:4]").step == 4
+    with pytest.raises(ValueError, match="'wiki128'.*rcpu128, rcpu128-bos, std2048, cpython128, tinystories"):
         get_profile("wiki128")
     with pytest.raises(ValueError, match=r"'rcpu128\[5:5\]'.*STOP > START"):
         get_profile("rcpu128[5:5]")
+    with pytest.raises(ValueError, match=r"'rcpu128\[0:9:0\]'.*step .* at least 1"):
+        get_profile("rcpu128[0:9:0]")
+    with pytest.raises(ValueError, match=r"'tinystories\[0:9:2\]'.*story profile takes \[START:STOP\] without"):
+        get_profile("tinystories[0:9:2]")
     with pytest.raises(ValueError, match=r"gives only \d+ windows of 128 tokens; STOP must be at most"):
         perplexity(model, tok, "rcpu128[0:100000]", data_dir=wiki_excerpt)
     with pytest.raises(ValueError, match="batch_size must be at least 1, got 0"):
@@ -159,3 +170,32 @@ def test_profile_registry_and_errors(model, tok, wiki_excerpt):
 def test_missing_wikitext_test_file_offline_is_a_clear_error(model, tok, tmp_path):
     with pytest.raises(FileNotFoundError, match="test split is not available offline.*tinystories profile"):
         perplexity(model, tok, "rcpu128", data_dir=tmp_path)
+
+
+def test_cpython128_windows_are_the_test_files_stream_cut_into_128_tokens(tok):
+    path = SHARED / "data" / "code" / "cpython-3.11-stdlib" / "test.txt"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    ids = tok(path.read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+    windows = profile_sequences("cpython128[0:40:13]", tok, 128)
+    assert [w.tolist() for w in windows] == [ids[i * 128:(i + 1) * 128].tolist() for i in (0, 13, 26, 39)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_chunked_lm_head_gives_the_models_own_token_nlls(family, monkeypatch):
+    """Decoder once, LM head a few positions at a time (with the family's soft-capping or logit scaling) equals the
+    cross-entropy of the model's own full logits, computed in float64."""
+    model = family_model(family)
+    torch.manual_seed(1)
+    input_ids, mask = torch.randint(3, 512, (3, 9)), torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    labels = torch.full_like(input_ids, -100)
+    labels[:, :-1] = input_ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=mask).logits.double()
+        expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+        monkeypatch.setattr(perplexity_module, "LOGITS_BYTES", 4 * 512 * 5)  # five positions per chunk
+        got = token_nlls(model, input_ids, mask, labels)
+    assert head_view(model) is not None
+    assert torch.allclose(got.double(), expected.view(3, 9), atol=1e-5, rtol=1e-5)
+    assert (got[labels == -100] == 0).all()

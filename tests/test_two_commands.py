@@ -43,8 +43,9 @@ def test_ci_runs_the_readme_test_command():
 def test_make_run_is_the_quick_matrix_and_make_test_the_suite():
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^run: setup\n\t\$\(BIN\)/rcpu-bench run --matrix quick$", makefile, flags=re.M)
-    assert re.search(r"^test: setup\n\t\$\(BIN\)/python -m pytest tests plugins -m \"slow or not slow\"", makefile,
-                     flags=re.M)
+    assert re.search(r"^test: setup\n\t\$\(BIN\)/python -m pytest tests plugins -m \"\(slow or not slow\) and not "
+                     r"large_model\"", makefile, flags=re.M)
+    assert re.search(r"^test-large: setup\n.*\n\t\$\(BIN\)/python -m pytest tests -m large_model", makefile, flags=re.M)
 
 
 def test_ci_runs_make_run_in_its_fresh_clone_before_anything_writes_into_it():

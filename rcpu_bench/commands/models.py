@@ -22,6 +22,10 @@ def _size(size_bytes: int | None) -> str:
     return f"{size_bytes / 2**20:,.0f} MiB" if size_bytes is not None else "-"
 
 
+def _parameters(count: int) -> str:
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.0f} M"
+
+
 @command()
 def run(args: argparse.Namespace) -> int:
     """Convert what was asked (an uninstalled package is an error naming its pip install), then list every model."""
@@ -35,9 +39,11 @@ def run(args: argparse.Namespace) -> int:
         state = real_models.status(model)
         installed = state["installed"] or f"no: {model.install}"
         converted = "yes" if state["converted"] else ("-" if not state["installed"] else f"no ({state['problem']})")
-        rows.append((model.name, model.title, model.architecture, f"{model.package} {installed}",
-                     f"{model.quantization} GGUF", converted, _size(state["size_bytes"])))
-    print(tabulate(rows, headers=["name", "model", "architecture", "package", "source", "converted", "size"]))
+        rows.append((model.name, model.title, model.architecture, _parameters(model.parameters),
+                     f"{model.distribution} {installed}", f"{model.quantization} GGUF", converted,
+                     _size(state["size_bytes"])))
+    print(tabulate(rows, headers=["name", "model", "architecture", "parameters", "package", "source", "converted",
+                                  "size"]))
     print(f"\nconverted directories: {real_models.cache_dir() / 'models'} (${real_models.CACHE_ENV} moves them); "
           "weights are the GGUF's, dequantized to float32")
     return 0

@@ -23,10 +23,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rcpu_bench import console, data
-from rcpu_bench.finite import finite_logits
+from rcpu_bench.finite import check_logits, finite_logits
+from rcpu_bench.model.adapter import head_view
 
 IGNORE_INDEX = -100
 WINDOW_DECIMALS = 4  # of a window's NLL sum in the record: far below any difference a bootstrap can resolve
+# float32 logits held at once when the LM head is applied chunk by chunk: what scoring a batch costs beyond the
+# model and its hidden states, whatever the vocabulary (151,936-way logits of a 16 x 128 batch would be 1.2 GB).
+LOGITS_BYTES = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Profile:
     description: str
     stories: tuple[int, int] | None = None
     windows: tuple[int, int] | None = None  # windows START..STOP−1 only (NAME[START:STOP]); None: every window
+    step: int = 1  # with windows: every STEP-th of them (NAME[START:STOP:STEP]), a sample spread over the text
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
@@ -51,30 +56,40 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "are far off their distribution without it. With a tokenizer that adds no BOS it equals rcpu128"),
     Profile("std2048", "wikitext2-test", 2048,
             "as rcpu128 with 2048-token windows, or max_position_embeddings if smaller (SparseGPT / Wanda / SliceGPT)"),
+    Profile("cpython128", "cpython-test", 128,
+            "Python code: the CPython 3.11 standard library's modules n-z (disjoint from the cpython calibration "
+            "source, a-m), tokenized once, non-overlapping 128-token windows; cpython128[START:STOP:STEP] scores "
+            "every STEP-th window from START to STOP-1, a sample spread over the modules"),
     Profile("tinystories", "tinystories", 512,
             "TinyStories validation stories, each its own sequence: BOS + story, truncated to 512 tokens; "
             "tinystories[START:STOP] selects stories by idx (e.g. [500:1000], held out from calibration)",
             stories=(0, 1000)),
 )}
 
-_RANGED = re.compile(r"(?P<name>[\w-]+)\[(?P<start>\d+):(?P<stop>\d+)\]")
+_RANGED = re.compile(r"(?P<name>[\w-]+)\[(?P<start>\d+):(?P<stop>\d+)(?::(?P<step>\d+))?\]")
 
 
 def get_profile(name: str) -> Profile:
     """The registered profile ``name``, or ``name[START:STOP]``: stories START..STOP−1 of a story profile,
-    windows START..STOP−1 of a windowed one (a cheaper, recorded subset of the protocol)."""
+    windows START..STOP−1 of a windowed one (a cheaper, recorded subset of the protocol); ``name[START:STOP:STEP]``:
+    every STEP-th of those windows."""
     match = _RANGED.fullmatch(name)
     base = PROFILES.get(match["name"] if match else name)
     if base is None:
         raise ValueError(f"unknown perplexity profile {name!r}; allowed: {', '.join(PROFILES)}, "
-                         "PROFILE[START:STOP]")
+                         "PROFILE[START:STOP], PROFILE[START:STOP:STEP] (windowed profiles)")
     if match is None:
         return base
     start, stop = int(match["start"]), int(match["stop"])
     if stop <= start:
         raise ValueError(f"perplexity profile {name!r}: the range [START:STOP] needs STOP > START")
     if base.stories is None:
-        return replace(base, name=name, windows=(start, stop))
+        step = int(match["step"] or 1)
+        if step < 1:
+            raise ValueError(f"perplexity profile {name!r}: the step of [START:STOP:STEP] must be at least 1")
+        return replace(base, name=name, windows=(start, stop), step=step)
+    if match["step"] is not None:
+        raise ValueError(f"perplexity profile {name!r}: a story profile takes [START:STOP] without a step")
     return replace(base, name=name, stories=(start, stop))
 
 
@@ -83,10 +98,12 @@ def profile_source(name: str, data_dir: Path | str | None = None) -> data.Source
     profile = get_profile(name)
     if profile.dataset == "tinystories":
         return data.tinystories_text(data_dir, profile.stories)
+    if profile.dataset == "cpython-test":
+        return data.cpython_text(data_dir, "test")
     return data.wikitext2_text(data_dir, "test")
 
 
-def _wikitext_windows(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
+def _stream_windows(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
     """The test stream (one BOS at its start) cut into ⌊N / seqlen⌋ non-overlapping windows."""
     stream = data.token_stream(source, tokenizer)
     n_windows = len(stream) // seqlen
@@ -98,7 +115,7 @@ def _bos_windows(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor
     part of a window then); else the rcpu128 windows themselves."""
     bos = data.added_bos(tokenizer)
     if bos is None:
-        return _wikitext_windows(source, tokenizer, seqlen)
+        return _stream_windows(source, tokenizer, seqlen)
     stream = data.token_stream(source, tokenizer)[1:]  # the stream starts with the tokenizer's BOS
     n_windows = len(stream) // seqlen
     return list(data.with_bos(stream[: n_windows * seqlen].view(n_windows, seqlen), bos))
@@ -110,8 +127,9 @@ def _story_sequences(source: data.SourceText, tokenizer, seqlen: int) -> list[Te
 
 
 _DATASETS: dict[str, Callable[[data.SourceText, object, int], list[Tensor]]] = {
-    "wikitext2-test": _wikitext_windows,
+    "wikitext2-test": _stream_windows,
     "wikitext2-test-bos": _bos_windows,
+    "cpython-test": _stream_windows,
     "tinystories": _story_sequences,
 }
 
@@ -144,10 +162,35 @@ def profile_sequences(profile: str, tokenizer, seqlen: int, data_dir: Path | str
         if stop > len(sequences):
             raise ValueError(f"profile {chosen.name!r}: {source.origin} gives only {len(sequences)} windows of "
                              f"{seqlen} tokens; STOP must be at most {len(sequences)}")
-        sequences = sequences[start:stop]
+        sequences = sequences[start:stop:chosen.step]
     if not sequences:
         raise ValueError(f"profile {chosen.name!r}: {source.origin} gives no sequence of {seqlen} tokens")
     return sequences
+
+
+def token_nlls(model: nn.Module, input_ids: Tensor, mask: Tensor, labels: Tensor, *,
+               what: str = "perplexity") -> Tensor:
+    """−log p(labels[b, t] | input_ids[b, ≤t]) per position (batch, tokens), 0 where the label is ignored.
+
+    For a model of a known family the decoder runs once and the LM head (with what the family applies to it) only
+    on the positions with a target, ``LOGITS_BYTES`` of logits at a time; any other model is scored on its full
+    logits. Both give the same numbers. Non-finite logits raise ``NonFiniteError`` (``what`` names the
+    evaluation)."""
+    view = head_view(model)
+    if view is None:
+        logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="none").view(labels.shape)
+    hidden = view.hidden_states(input_ids, mask).flatten(0, 1)  # (B·T, d)
+    targets = labels.flatten()
+    scored = (targets != IGNORE_INDEX).nonzero().flatten()
+    nll = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+    chunk = max(1, LOGITS_BYTES // (4 * view.lm_head.out_features))
+    for rows in scored.split(chunk):
+        logits = view.logits(hidden[rows]).float()  # (chunk, vocab)
+        check_logits(model, logits, what)
+        nll[rows] = F.cross_entropy(logits, targets[rows], reduction="none")
+    return nll.view(labels.shape)
 
 
 def sequence_nlls(model: nn.Module, sequences: list[Tensor], *, batch_size: int = 8,
@@ -169,10 +212,8 @@ def sequence_nlls(model: nn.Module, sequences: list[Tensor], *, batch_size: int 
                 rows = order[start : start + batch_size]
                 input_ids, mask = _pad([sequences[i] for i in rows])
                 labels = _shifted_labels(input_ids, mask).to(device)
-                logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-                nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                      reduction="none")  # (B·T,), 0 where ignored
-                sums[rows] = nll.view(len(rows), -1).sum(1, dtype=torch.float64).cpu()
+                nll = token_nlls(model, input_ids.to(device), mask.to(device), labels, what=desc)  # (B, T)
+                sums[rows] = nll.sum(1, dtype=torch.float64).cpu()
     finally:
         model.train(was_training)
     return sums.tolist()

@@ -14,9 +14,13 @@ Tensors: Hugging Face names map to llama.cpp's (``model.layers.{i}.self_attn.q_p
 biases) are permuted from Hugging Face's rotary layout to llama.cpp's (``rope_interleave``). Matrices are
 stored as the requested type, 1-D tensors (norms, biases) as float32, as llama.cpp's converter does.
 
+Qwen2 / Qwen2.5 is Llama with q/k/v biases, which both graphs read when present (with the rows of the kept heads),
+so it is written the same way; its sliding-window attention, when switched on, is refused.
+
 Anything llama.cpp's graph cannot express is refused, before the file is written, by a ValueError saying
-what is missing: a family other than Llama, a RoPE scaling or activation it does not apply, a tensor
-without a llama.cpp name, a layer without heads or channels, a q8_0 row length not a multiple of 32.
+what is missing: a family other than Llama and Qwen2, a RoPE scaling, sliding window or activation it does not
+apply, a tensor without a llama.cpp name, a layer without heads or channels, a q8_0 row length not a multiple of
+32.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from rcpu_bench.model.persistence import unique_tensors
 
 DTYPES = ("float32", "float16", "bfloat16", "q8_0")
 Q8_0_BLOCK = 32  # values per q8_0 block: a q8_0 matrix's rows (in_features) must be a multiple of it
-LLAMA_TYPES = ("llama", "rcpu_llama")  # config model types exported (a pruned Llama saves one or the other)
+# Config model types exported: Llama (a pruned one saved in an earlier format says rcpu_llama) and Qwen2.
+EXPORTED_TYPES = ("llama", "rcpu_llama", "qwen2")
 _LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -110,9 +115,12 @@ def rope_theta(config: Any) -> float:
 
 def check_config(config: Any) -> None:
     """ValueError unless llama.cpp's Llama graph computes what this config describes."""
-    if config.model_type not in LLAMA_TYPES:
-        raise ValueError(f"model type {config.model_type!r} is not exported to GGUF; supported: Llama "
-                         f"({', '.join(LLAMA_TYPES)})")
+    if config.model_type not in EXPORTED_TYPES:
+        raise ValueError(f"model type {config.model_type!r} is not exported to GGUF; supported: Llama and Qwen2 "
+                         f"({', '.join(EXPORTED_TYPES)})")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("use_sliding_window is set: llama.cpp's Llama graph attends over the whole context; only "
+                         "models without sliding-window attention are exported")
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r}: llama.cpp's Llama graph applies SiLU (SwiGLU) only")
     if getattr(config, "pretraining_tp", 1) not in (None, 1):

@@ -13,9 +13,13 @@ the same way:
 - byte-level BPE with GPT-2's own split (a ``ByteLevel`` pre-tokenizer applying its regex, no normalizer, no other
   pre-tokenizer: GPT-2, SmolLM) as llama.cpp's ``gpt2`` tokenizer with the ``gpt-2`` pre-tokenizer, which splits
   with the same regex; tokens are written in their byte-level form with the merge list itself.
+- byte-level BPE whose split is a known regex of llama.cpp's (a ``Split`` on that regex, then ``ByteLevel`` without
+  its own regex: Qwen2 / Qwen2.5's ``qwen2``) as the ``gpt2`` tokenizer with that pre-tokenizer name
+  (``SPLIT_PRE_TOKENIZERS``). Their NFC normalizer is left out, as llama.cpp's own converter leaves it out: a text
+  already in NFC (ASCII and code always are) is tokenized alike, a decomposed one differently.
 
-Other tokenizers (other split regexes as in Llama 3 or Qwen, WordPiece, Unigram, ...) are refused: llama.cpp reads
-them through pre-tokenizer names whose splits this exporter does not check.
+Other tokenizers (other split regexes as in Llama 3, WordPiece, Unigram, ...) are refused: llama.cpp reads them
+through pre-tokenizer names whose splits this exporter does not check.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ from typing import Any
 # gguf.TokenType's values (the GGUF format's token types), named here so this module needs no gguf import.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# Split regexes of byte-level BPE tokenizers and the name under which llama.cpp applies the same split.
+SPLIT_PRE_TOKENIZERS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": "qwen2",
+}
 
 
 @dataclass(frozen=True)
@@ -71,16 +80,36 @@ def sentencepiece_problem(spec: dict) -> str | None:
 
 
 def byte_level_problem(spec: dict) -> str | None:
-    """Why ``spec`` is not a byte-level BPE splitting with GPT-2's regex alone, or None."""
-    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    """Why ``spec`` is not a byte-level BPE splitting as one of llama.cpp's pre-tokenizers does, or None."""
+    model = spec.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         return f"model {model.get('type')!r} (byte_fallback={model.get('byte_fallback')!r}), not a byte-level BPE"
-    if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) or pre.get("add_prefix_space"):
-        return (f"pre-tokenizer {pre.get('type')!r} ({pre}), not a ByteLevel split with GPT-2's regex and no added "
-                "prefix space")
-    if spec.get("normalizer") is not None:
-        return f"normalizer {spec['normalizer'].get('type')!r} (llama.cpp's gpt2 tokenizer applies none)"
+    if byte_level_pre(spec.get("pre_tokenizer") or {}) is None:
+        known = ", ".join(["a ByteLevel split with GPT-2's regex", *(f"{name}'s split regex"
+                                                                    for name in SPLIT_PRE_TOKENIZERS.values())])
+        return f"pre-tokenizer {spec.get('pre_tokenizer')}, none of the splits llama.cpp applies ({known})"
+    normalizer = (spec.get("normalizer") or {}).get("type")
+    if normalizer is not None and not (normalizer == "NFC" and byte_level_pre(spec["pre_tokenizer"]) != "gpt-2"):
+        return f"normalizer {normalizer!r} (llama.cpp's gpt2 tokenizer applies none)"
     return None
+
+
+def byte_level_pre(pre: dict) -> str | None:
+    """llama.cpp's pre-tokenizer name for a byte-level BPE's pre-tokenizer (no prefix space added): ``gpt-2`` for a
+    ``ByteLevel`` applying GPT-2's regex, the ``SPLIT_PRE_TOKENIZERS`` name for a ``Split`` on a known regex
+    (isolating its matches) followed by a ``ByteLevel`` without a regex of its own; else None."""
+    if pre.get("type") == "ByteLevel":
+        return "gpt-2" if pre.get("use_regex", True) and not pre.get("add_prefix_space") else None
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if not steps or len(steps) != 2:
+        return None
+    split, byte_level = steps
+    regex = (split.get("pattern") or {}).get("Regex")
+    if (split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert")
+            or byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex", True)
+            or byte_level.get("add_prefix_space")):
+        return None
+    return SPLIT_PRE_TOKENIZERS.get(regex)
 
 
 def merge_scores(merges: list) -> dict[str, float]:
@@ -111,8 +140,8 @@ def gguf_vocab(tokenizer: Any, n_vocab: int) -> Vocab:
     kind = next((name for name, problem in problems.items() if problem is None), None)
     if kind is None:
         raise ValueError("GGUF export handles sentencepiece-style tokenizers (byte-fallback BPE with a Metaspace "
-                         "pre-tokenizer, as Llama 1/2) and byte-level BPE with GPT-2's split (GPT-2, SmolLM); this "
-                         f"tokenizer has {problems['llama']}, and {problems['gpt2']}")
+                         "pre-tokenizer, as Llama 1/2) and byte-level BPE with GPT-2's or Qwen2's split (GPT-2, "
+                         f"SmolLM, Qwen2.5); this tokenizer has {problems['llama']}, and {problems['gpt2']}")
     pieces = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec.get("added_tokens", [])}}
     if max(pieces.values()) >= n_vocab:
         raise ValueError(f"the tokenizer has ids up to {max(pieces.values())} but the model only {n_vocab} "
@@ -126,7 +155,8 @@ def gguf_vocab(tokenizer: Any, n_vocab: int) -> Vocab:
     ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id)
     if kind == "gpt2":
         return Vocab("gpt2", tokens, None, types, *ids, add_bos, add_eos, add_space_prefix=False,
-                     merges=[merge if isinstance(merge, str) else " ".join(merge) for merge in merges], pre="gpt-2")
+                     merges=[merge if isinstance(merge, str) else " ".join(merge) for merge in merges],
+                     pre=byte_level_pre(spec["pre_tokenizer"]))
     scores = merge_scores(merges)
     prepend = spec["pre_tokenizer"].get("prepend_scheme", "always" if spec["pre_tokenizer"].get("add_prefix_space",
                                                                                               True) else "never")

@@ -45,6 +45,14 @@ def _family(model: nn.Module) -> type[ModelView]:
     raise ValueError(f"unsupported architecture {type(model).__name__}: {reason}; supported: {supported()}")
 
 
+def head_view(model: nn.Module) -> ModelView | None:
+    """The view of ``model``'s decoder and LM head through the family of its model type (its layers unchecked: a
+    whole-model method may have changed them), or None for a model type no family claims."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = next((f for f in FAMILIES if f.handles(model_type)), None)
+    return None if family is None else family(model)
+
+
 def check_architecture(model: nn.Module) -> None:
     """Raise ValueError, naming the model class and what is supported, unless a family handles ``model``."""
     _family(model)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol, cast
 
+import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
@@ -41,6 +42,8 @@ class Family:
     the block's output goes through before the residual (empty: none). ``head_norms``: norms inside the
     attention (q_norm, k_norm), per head unless ``head_pruning_refused`` says why heads cannot be removed.
     ``counts_in_config``: the attention reads its query-head count from ``config.num_attention_heads``.
+    ``logit_softcapping`` / ``logit_divisor``: the config attributes of what the causal LM applies to the LM head's
+    output, c·tanh(z / c) (Gemma) or z / s (Granite), when set.
     """
 
     name: str
@@ -52,6 +55,8 @@ class Family:
     head_norms: tuple[str, ...] = ()
     head_pruning_refused: str | None = None
     counts_in_config: bool = False
+    logit_softcapping: str | None = None
+    logit_divisor: str | None = None
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -131,6 +136,8 @@ class DecoderStack(Protocol):
     norm: nn.Module
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+    def __call__(self, *, input_ids: Tensor, attention_mask: Tensor, use_cache: bool) -> Any: ...
 
 
 def attention_heads(attn: AttentionBlock, family: Family = LLAMA) -> tuple[int, int]:
@@ -296,9 +303,13 @@ class LlamaLikeModel(ModelView):
     LAYER: type[LlamaLikeLayer]
 
     @classmethod
+    def handles(cls, model_type: str | None) -> bool:
+        return model_type in cls.FAMILY.model_types
+
+    @classmethod
     def problem(cls, model: nn.Module) -> str | None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if model_type not in cls.FAMILY.model_types:
+        if not cls.handles(model_type):
             return f"model_type {model_type!r} is not one of {cls.FAMILY.name}'s ({', '.join(cls.FAMILY.model_types)})"
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
@@ -341,6 +352,18 @@ class LlamaLikeModel(ModelView):
     @property
     def lm_head(self) -> nn.Linear:
         return cast(nn.Linear, self.model.lm_head)
+
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return self._base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        logits = self.lm_head(hidden)
+        config = self.model.config
+        cap = getattr(config, self.FAMILY.logit_softcapping, None) if self.FAMILY.logit_softcapping else None
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        divisor = getattr(config, self.FAMILY.logit_divisor, None) if self.FAMILY.logit_divisor else None
+        return logits / divisor if divisor is not None else logits
 
 
 @cache

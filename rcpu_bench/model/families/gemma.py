@@ -19,5 +19,6 @@ class _Norms(TypedDict):
 
 _SANDWICH = _Norms(pre_norms=("input_layernorm", "pre_feedforward_layernorm"),
                    post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
-GEMMA2 = Family("Gemma2", ("gemma2",), **_SANDWICH)
-GEMMA3 = Family("Gemma3", ("gemma3_text",), head_norms=("q_norm", "k_norm"), **_SANDWICH)
+GEMMA2 = Family("Gemma2", ("gemma2",), logit_softcapping="final_logit_softcapping", **_SANDWICH)
+GEMMA3 = Family("Gemma3", ("gemma3_text",), head_norms=("q_norm", "k_norm"),
+                logit_softcapping="final_logit_softcapping", **_SANDWICH)

@@ -5,4 +5,4 @@ The multipliers scale whole tensors after the pruned projections' outputs, so pr
 
 from rcpu_bench.model.llama import Family
 
-GRANITE = Family("Granite", ("granite",))
+GRANITE = Family("Granite", ("granite",), logit_divisor="logits_scaling")
