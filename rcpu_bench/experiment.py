@@ -35,7 +35,7 @@ from rcpu_bench.paths import check_new_dir, default_model
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.options import selection_units
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
-from rcpu_bench.records import Record, environment, library_versions
+from rcpu_bench.records import LayerTiming, Parameters, Perplexity, Record, Timing, environment, library_versions
 from rcpu_bench.registry import Registry
 
 DEFAULT_CALIB = "tinystories:128x128"
@@ -145,9 +145,9 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     # A saved model's card shows its perplexity beside the dense model's, measured here before pruning (not with
     # --offload: the dense model then does not fit the device whole).
     with_dense = experiment.save_dir and not experiment.prune.offload
-    dense_ppl = [_summary(perplexity.perplexity(model, tokenizer, profile, batch_size=experiment.eval_batch_size,
-                                                data_dir=experiment.data_dir))
-                 for profile in experiment.ppl_profiles] if with_dense else None
+    dense_ppl = tuple(Perplexity.from_json(perplexity.perplexity(
+        model, tokenizer, profile, batch_size=experiment.eval_batch_size, data_dir=experiment.data_dir)).summary()
+        for profile in experiment.ppl_profiles) if with_dense else None
     report = prune_model(model, calib.tokens, experiment.prune, registry=registry, device=experiment.device,
                          progress=progress, holdout_ids=holdout_ids, reuse_capture=reuse_capture,
                          validated=True, holdout_source=lambda n: data.holdout_windows(
@@ -157,21 +157,22 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     calib_nll, calib_targets = (perplexity.sequence_nll(model, list(calib.tokens),
                                                         batch_size=experiment.eval_batch_size, desc="ppl calibration")
                                 if "calibration-ppl" not in experiment.skip else (None, None))
-    ppl = [perplexity.perplexity(model, tokenizer, profile, batch_size=experiment.eval_batch_size,
-                                 data_dir=experiment.data_dir) for profile in experiment.ppl_profiles]
+    ppl = tuple(Perplexity.from_json(perplexity.perplexity(model, tokenizer, profile,
+                                                           batch_size=experiment.eval_batch_size,
+                                                           data_dir=experiment.data_dir))
+                for profile in experiment.ppl_profiles)
     record = Record(
         experiment=experiment.to_dict(),
         model_provenance=loaded.provenance,
         calibration=calib.provenance.as_dict(),
         versions=library_versions(),
         environment=environment(experiment.device),
-        parameters={"before": params_before, "after": params_after,
-                    "removed_fraction": 1 - params_after / params_before},
+        parameters=Parameters(params_before, params_after, 1 - params_after / params_before),
         perplexity=ppl,
         # On the calibration windows themselves: the paper's rule for choosing the ridge λ (appendix bestlam).
         calibration_ppl=math.exp(calib_nll / calib_targets) if calib_targets else None,
-        timing={"total_seconds": time.perf_counter() - started, "prune_seconds": report.seconds,
-                "layers": [{"layer": layer["layer"], **layer["seconds"]} for layer in report.layers]},
+        timing=Timing(time.perf_counter() - started, report.seconds,
+                      tuple(LayerTiming(layer["layer"], layer["seconds"]) for layer in report.layers)),
         layers=[{k: v for k, v in layer.items() if k != "seconds"} for layer in report.layers],
         peak_memory_bytes=report.peak_memory_bytes,
         # Inference speed beside the size, and greedy text to read before / after pruning.
@@ -190,10 +191,5 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
             model, experiment.save_dir, tokenizer=tokenizer, report=report.method_report)
     elif experiment.save_dir:
         save_pruned(model, experiment.save_dir, tokenizer=tokenizer, method=experiment.prune.to_dict(),
-                    provenance=loaded.provenance, record=record.to_json())
+                    provenance=loaded.provenance, record=record)
     return record
-
-
-def _summary(entry: dict[str, Any]) -> dict[str, Any]:
-    """A perplexity entry without its per-window values."""
-    return {key: value for key, value in entry.items() if key not in ("window_nll", "window_targets")}

@@ -185,6 +185,7 @@ ALLOWED = {
     "rcpu_bench/matrix/spec.py": "the matrix vocabulary of the ablation (compensate: o_proj / down_proj)",
     "plugins/rcpu-slicegpt/rcpu_slicegpt/layers.py": "the sliced layer keeps Llama's child names (its weights' keys)",
     "rcpu_bench/export/gguf.py": "the map from a Llama checkpoint's tensor names to llama.cpp's GGUF names",
+    "rcpu_bench/model/migrate.py": "format 2 saved Llama only, its bias flags named by Llama's o_proj and down_proj",
 }
 
 

@@ -97,10 +97,10 @@ def test_a_matrix_run_with_reuse_records_the_same_numbers_and_captures_once(monk
     assert len(captures) == len(cells) + 1
     for a, b in zip(without, with_reuse, strict=True):
         assert a.status == b.status == "ok"
-        assert a.record["perplexity"] == b.record["perplexity"]
-        assert a.record["calibration_ppl"] == b.record["calibration_ppl"]
-        assert a.record["layers"] == b.record["layers"]
-        assert a.record["parameters"] == b.record["parameters"]
+        assert a.record.perplexity == b.record.perplexity
+        assert a.record.calibration_ppl == b.record.calibration_ppl
+        assert a.record.layers == b.record.layers
+        assert a.record.parameters == b.record.parameters
 
 
 def test_the_dense_model_is_one_cell_per_model_whatever_the_sizes_methods_and_ablation():

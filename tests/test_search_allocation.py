@@ -287,6 +287,6 @@ def test_a_matrix_cell_with_the_searched_allocation(tmp_path):
     summary = run_matrix(tiny_matrix([method]), tmp_path / "results", progress=False, registry=REGISTRY)
     assert (summary.ok, summary.failed) == (1, 0)
     [entry] = Store(tmp_path / "results").entries()
-    searched = entry.record["method_report"]["allocation"]
+    searched = entry.record.method_report["allocation"]
     assert searched["removed_parameters"] == searched["budget_parameters"] and len(searched["fitness"]) == 2
-    assert math.isfinite(entry.record["perplexity"][0]["ppl"])
+    assert math.isfinite(entry.record.perplexity[0].ppl)

@@ -7,6 +7,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -33,7 +34,8 @@ PRUNE_DEFAULTS: dict[str, Any] = {  # PruneConfig's fields and defaults, as a re
     "scorer": "variance", "compensator": "procrustes", "ratio": 0.2, "scorer_params": {}, "compensator_params": {},
     "rounding": "floor", "prune": ["attention", "mlp"], "compensate": ["attention", "mlp"], "gqa_rule": "group",
     "head_aggregation": "sum", "statistics": "sequential", "structure": "uniform", "recollect_mlp": False,
-    "offload": False, "batch_size": 8}
+    "offload": False, "batch_size": 8, "gram_precision": "mixed", "model_method": None, "model_method_params": {},
+    "allocation": "uniform", "allocation_params": {}, "holdout": 0, "round_to": 0}
 SIZES = {"Llama-7B": 6_738_415_616, "Llama-2-13B": 13_015_864_320}
 
 
@@ -51,7 +53,7 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
             "method": method if alias else "custom", "method_label": label or alias.label,
             "n_calib": n_calib, "seqlen": seqlen, "calib": f"wikitext2:{n_calib}x{seqlen}", "prune": config,
             "ppl_profiles": ["rcpu128"], "eval": ["ppl"] + (["zeroshot"] if zeroshot else []),
-            "dtype": "float32", "device": "cuda"}
+            "dtype": "float32", "device": "cuda", "eval_batch_size": 8, "zeroshot_limit": None, "skip": []}
     layers = [{"layer": i, "statistics": prune_seconds / n_layers / 4, "solve": prune_seconds / n_layers / 2}
               for i in range(n_layers)]  # the run's seconds of a layer phase are its layers' (below)
     record = {
@@ -59,13 +61,12 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
                        "dtype": "float32"},
         "parameters": {"before": SIZES[model], "after": params_after,
                        "removed_fraction": 1 - params_after / SIZES[model]},
-        "perplexity": [] if ppl is None else [{"profile": "rcpu128", "ppl": ppl, "n_windows": 2654,
-                                                "n_tokens": 339712, "seqlen": 128}],
+        "perplexity": [] if ppl is None else [perplexity("rcpu128", ppl)],
         "calibration_ppl": calibration_ppl,
         "timing": {"total_seconds": 2 * prune_seconds, "layers": layers,
                    "prune_seconds": {"capture": 0.25 * prune_seconds, "statistics": 0.25 * prune_seconds,
                                      "solve": 0.5 * prune_seconds}},
-        "peak_memory_bytes": peak_bytes,
+        "peak_memory_bytes": peak_bytes, "schema_version": 1,
     }
     if zeroshot:
         record["zeroshot"] = zeroshot
@@ -73,6 +74,14 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
     return {"cell_id": cell_id, "status": status, "error": None, "cell": cell,
             "record": record if status == "ok" else None, "finished_at": "2026-11-22T08:00:00+00:00",
             "seconds": 2 * prune_seconds}
+
+
+def perplexity(profile: str, ppl: float, **windows: list[float]) -> dict[str, Any]:
+    """A perplexity entry as a record stores it (the paper's WikiText-2 windows), with ``window_nll`` and
+    ``window_targets`` when given."""
+    return {"profile": profile, "ppl": ppl, "n_windows": 2654, "n_tokens": 339712, "seqlen": 128,
+            "dataset": "wikitext2/test", "dataset_sha256": "0" * 64, "nll_mean": math.log(ppl), "batch_size": 8,
+            **windows}
 
 
 def stored(entries: list[dict[str, Any]]) -> list[StoredResult]:
@@ -441,7 +450,7 @@ def test_paper_efficiency_rows_are_original_and_rcpu_rot_for_every_ncalib(small_
 
 def test_paper_reference_needs_the_papers_profile(small_paper):
     entries = [entry("rcpu-rot", 0.1, 13.6)]
-    entries[0]["record"]["perplexity"].append({"profile": "std2048", "ppl": 6.0})
+    entries[0]["record"]["perplexity"].append(perplexity("std2048", 6.0))
     with pytest.raises(ValueError, match="profile rcpu128; got --profile std2048"):
         tables_of(entries, "ppl", profile="std2048", paper=small_paper)
 

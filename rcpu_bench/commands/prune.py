@@ -22,6 +22,7 @@ from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import check_not_input, check_output_file, default_model
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import options
+from rcpu_bench.pruning.walk import LayerStep
 from rcpu_bench.records import Record, append_record
 from rcpu_bench.registry import Method, PluginContractError
 
@@ -47,11 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def summary(record: Record) -> str:
     """Parameters before and after, pruning time and peak memory, and each perplexity."""
     params = record.parameters
-    lines = [f"parameters: {params['before']:,} -> {params['after']:,} ({params['removed_fraction']:.2%} removed)",
-             f"pruning time: {sum(record.timing['prune_seconds'].values()):.1f} s, "
+    lines = [f"parameters: {params.before:,} -> {params.after:,} ({params.removed_fraction:.2%} removed)",
+             f"pruning time: {sum(record.timing.prune_seconds.values()):.1f} s, "
              f"peak memory {record.peak_memory_bytes / 2**20:.0f} MiB"]
-    lines += [f"ppl[{p['profile']}] = {p['ppl']:.4f}  ({p['n_windows']} windows, {p['n_tokens']:,} tokens, "
-              f"seqlen {p['seqlen']})" for p in record.perplexity]
+    lines += [f"ppl[{p.profile}] = {p.ppl:.4f}  ({p.n_windows} windows, {p.n_tokens:,} tokens, seqlen {p.seqlen})"
+              for p in record.perplexity]
     return "\n".join(lines)
 
 
@@ -84,15 +85,16 @@ def check_destinations(experiment: Experiment, args: argparse.Namespace) -> None
 
 def method_failure(error: BaseException) -> str | None:
     """One line naming the registered method whose call failed with ``error`` and the decoder layer being pruned
-    (read from the traceback: the innermost method call, ``prune_model``'s layer index), or None for bad input
+    (read from the traceback: the innermost method call, the layer walk's step or index), or None for bad input
     (already one line) or when no registered method was running: a plugin that fails on a real layer is reported
     like bad input, not as a crash."""
     if isinstance(error, INPUT_ERRORS):
         return None
     method, layer = None, None
     for frame, _ in traceback.walk_tb(error.__traceback__):
-        if frame.f_code.co_name == "prune_model":
-            layer = frame.f_locals.get("index")
+        step = frame.f_locals.get("step")
+        if isinstance(step, LayerStep) or frame.f_code.co_name == "walk_layers":
+            layer = step.index if isinstance(step, LayerStep) else frame.f_locals.get("index")
         if frame.f_code.co_name == "__call__" and isinstance(frame.f_locals.get("self"), Method):
             method = frame.f_locals["self"]
     where = "" if layer is None else f" on layer {layer}"

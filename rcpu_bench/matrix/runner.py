@@ -103,9 +103,9 @@ def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> No
 
         try:
             require_llama_cpp()
-            for model, revision in dict.fromkeys((cell.experiment().model, cell.revision) for cell in cells
-                                                 if "speed-llama-cpp" in cell.eval):
-                check_config(load_config(model, revision)[0])
+            for name, revision in dict.fromkeys((cell.experiment().model, cell.revision) for cell in cells
+                                                if "speed-llama-cpp" in cell.eval):
+                check_config(load_config(name, revision)[0])
         except (ImportError, ValueError) as error:
             raise MatrixError(f"eval speed-llama-cpp: {error}") from None
 
@@ -151,13 +151,14 @@ def _outcome(entry: Entry) -> str:
     if not entry.ok:
         error = entry.error or {"type": "error", "message": ""}
         return f"{error['type']}: {(error['message'].splitlines() or [''])[0]}"
-    record = entry.record or {}
+    record = entry.record
     if entry.phase == PHASE_LAMBDA_BEST and entry.reproduced is not None:
         first, again = entry.reproduced["calibration_ppl"]
         same = "identical" if entry.reproduced["identical"] else f"NOT identical: calibration {first} vs {again}"
         return f"zero-shot at λ_best of {len(entry.chosen_from or [])} λ (re-pruned model {same})"
-    ppl = [f"{p['profile']} {p['ppl']:.3f}" for p in record["perplexity"]]
-    calibration = record.get("calibration_ppl")  # None: skipped
+    assert record is not None  # an ok entry has its record
+    ppl = [f"{p.profile} {p.ppl:.3f}" for p in record.perplexity]
+    calibration = record.calibration_ppl  # None: skipped
     return ", ".join([*ppl, *([f"calibration {calibration:.3f}"] if calibration is not None else [])])
 
 
@@ -207,7 +208,7 @@ def estimate_seconds(todo: Sequence[Cell], stored: Sequence[StoredResult]) -> tu
     the same model already in the store, else DEFAULT_CELL_SECONDS for the model's size."""
     seconds: dict[str, list[float]] = {}
     for result in stored:
-        seconds.setdefault(result.cell["model_label"], []).append(result.seconds)
+        seconds.setdefault(result.cell.model_label, []).append(result.seconds)
     total, sources = 0.0, []
     for label, cells in _by_model(todo).items():
         if label in seconds:

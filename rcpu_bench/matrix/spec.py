@@ -319,7 +319,7 @@ def _over_lambdas(spec: MethodSpec, matrix: Matrix, where: str, registry: Regist
 
 
 def _cell(matrix: Matrix, model: ModelSpec, spec: MethodSpec, ratio: float, n_calib: int) -> Cell:
-    prune = PruneConfig(**{**matrix.prune, **spec.fields, "ratio": ratio}).to_dict()
+    prune = PruneConfig(**{**matrix.prune, **spec.fields, "ratio": ratio}).to_json()
     recipe = recipe_of(prune)
     evals = matrix.eval if _zeroshot_at(matrix, ratio) else tuple(e for e in matrix.eval if e != "zeroshot")
     return Cell(matrix=matrix.name, model=model.model, model_label=model.label, revision=model.revision,

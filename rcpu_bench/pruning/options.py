@@ -234,6 +234,10 @@ class PruneConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def to_json(self) -> dict[str, Any]:
+        """The configuration as JSON data (tuples as lists), as cells and records store it."""
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+
 
 def selection_units(geometry: LayerGeometry, module: str, gqa_rule: str) -> tuple[int, str]:
     """How many units one selection of ``module`` chooses from, and what they are."""

@@ -94,7 +94,7 @@ def _marked(label: str, result: StoredResult) -> str:
     adjacent ones as a reference link."""
     marks = []
     prune = result.prune
-    if prune.get("ratio", 0) > 0 and prune.get("model_method") is None and frozenset(prune["prune"]) in SCOPE:
+    if prune["ratio"] > 0 and prune["model_method"] is None and frozenset(prune["prune"]) in SCOPE:
         marks.append(SCOPE[frozenset(prune["prune"])])
     if scale_void(result):
         marks.append(SCALE_VOID)
@@ -112,7 +112,7 @@ def other_row(result: StoredResult) -> str | None:
     its label from the final configuration (e.g. ``wanda-sp+ridge``)."""
     if not compensates_pruned(result) or label_of(result.prune) is not None:
         return None
-    return _marked(cell_label(result.cell), result)
+    return _marked(cell_label(result.cell.to_json()), result)
 
 
 def ablation_row(result: StoredResult) -> str | None:
@@ -206,7 +206,7 @@ def _slot_order(results: Sequence[StoredResult], slots: set[Slot]) -> list[Slot]
     """Smaller models first (by parameter count before pruning), then by N_calib."""
     size: dict[str, float] = {}
     for result in results:
-        size[result.model_label] = max(size.get(result.model_label, 0), result.record.parameters["before"])
+        size[result.model_label] = max(size.get(result.model_label, 0), result.record.parameters.before)
     return sorted(slots, key=lambda slot: (size.get(slot[0], 0), slot))
 
 

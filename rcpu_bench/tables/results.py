@@ -80,7 +80,7 @@ METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASK_HEA
 def ppl_of(profile: str) -> Extract:
     """The perplexity of one profile from a record."""
     def extract(record: Record) -> float | None:
-        return next((p["ppl"] for p in record.perplexity if p["profile"] == profile), None)
+        return record.ppl(profile)
     return extract
 
 
@@ -92,7 +92,7 @@ def accuracy_of(task: str, metric: str) -> Extract:
     return extract
 
 
-def task_scores(record: Record) -> dict[str, dict[str, float]]:
+def task_scores(record: Record) -> dict[str, dict[str, Any]]:
     """A record's zero-shot scores, ``{task: {acc, acc_norm, ...}}`` (fractions), also when nested under ``tasks``
     as ``rcpu_bench.evaluation.zeroshot.evaluate_zeroshot`` returns them; empty when the run had no zero-shot."""
     result = record.zeroshot or {}
@@ -117,7 +117,7 @@ def zeroshot_metrics(metric_map: str) -> tuple[tuple[Metric, Extract], ...]:
 
 def params(record: Record) -> float:
     """Parameters of the pruned model."""
-    return record.parameters["after"]
+    return record.parameters.after
 
 
 def model_size_mib(record: Record) -> float | None:
@@ -138,19 +138,19 @@ def peak_memory_mib(record: Record) -> float:
 def seconds_per_layer(record: Record) -> float | None:
     """Pruning seconds per layer: Σ prune phases / number of layers."""
     timing = record.timing
-    return sum(timing["prune_seconds"].values()) / len(timing["layers"]) if timing["layers"] else None
+    return sum(timing.prune_seconds.values()) / len(timing.layers) if timing.layers else None
 
 
 def phase_per_layer(phase: str) -> Extract:
     """Seconds of one pruning phase per layer: the run's seconds in it (Σ over layers for a phase of the layer loop)
     / number of layers; None when the run did not time it or has no layers (a whole-model method)."""
     def extract(record: Record) -> float | None:
-        layers, seconds = record.timing["layers"], record.timing["prune_seconds"]
+        layers, seconds = record.timing.layers, record.timing.prune_seconds
         return seconds[phase] / len(layers) if layers and phase in seconds else None
     return extract
 
 
-def device_name(record: Record) -> str:
+def device_name(record: Record) -> str | None:
     """The GPU or CPU model the run was measured on (records before rcpu_bench.records.environment: the
     device)."""
     return (record.environment or {}).get("device_name") or record.experiment.get("device")
@@ -173,7 +173,7 @@ LLAMA_CPP_SPEED_EXTRACTS = (llama_cpp_inference("prefill_tokens_per_s"), llama_c
 
 
 def _profiles(results: Sequence[StoredResult]) -> list[str]:
-    return list(dict.fromkeys(p["profile"] for result in results for p in result.record.perplexity))
+    return list(dict.fromkeys(p.profile for result in results for p in result.record.perplexity))
 
 
 def default_profile(results: Sequence[StoredResult]) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE
 from rcpu_bench.matrix.store import StoredResult
-from rcpu_bench.records import Record
+from rcpu_bench.records import Perplexity, Record
 from rcpu_bench.tables.layout import Slot, any_row, cell_grid
 from rcpu_bench.tables.results import Metric, task_scores
 from rcpu_bench.tables.table import ORIGINAL, Column, Row, Table
@@ -59,22 +59,21 @@ def interval(estimate: float, draws: np.ndarray, level: float = LEVEL) -> Differ
     return Difference(estimate, float(low), float(high))
 
 
-def window_values(entry: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """A perplexity entry's per-window NLL sums and scored-token counts (ValueError when the run did not record
-    them: records written before per-window values were kept)."""
-    if "window_nll" not in entry:
-        raise ValueError(f"perplexity {entry.get('profile')!r} has no per-window values (recorded before rcpu-bench "
-                         "kept them); run the cell again")
-    return np.asarray(entry["window_nll"], dtype=np.float64), np.asarray(entry["window_targets"], dtype=np.float64)
+def window_values(entry: Perplexity) -> tuple[np.ndarray, np.ndarray]:
+    """A perplexity's per-window NLL sums and scored-token counts (ValueError when the run did not record them:
+    records written before per-window values were kept)."""
+    if entry.window_nll is None or entry.window_targets is None:
+        raise ValueError(f"perplexity {entry.profile!r} has no per-window values (recorded before rcpu-bench kept "
+                         "them); run the cell again")
+    return np.asarray(entry.window_nll, dtype=np.float64), np.asarray(entry.window_targets, dtype=np.float64)
 
 
-def ppl_difference(a: Mapping[str, Any], b: Mapping[str, Any], *, resamples: int = RESAMPLES,
-                   seed: int = SEED) -> Difference:
-    """ppl(A) − ppl(B) on the same windows (two perplexity entries of one profile), with its paired bootstrap CI."""
+def ppl_difference(a: Perplexity, b: Perplexity, *, resamples: int = RESAMPLES, seed: int = SEED) -> Difference:
+    """ppl(A) − ppl(B) on the same windows (two perplexities of one profile), with its paired bootstrap CI."""
     nll_a, targets = window_values(a)
     nll_b, targets_b = window_values(b)
-    if a["profile"] != b["profile"] or not np.array_equal(targets, targets_b):
-        raise ValueError(f"perplexities {a['profile']!r} and {b['profile']!r} are not on the same windows")
+    if a.profile != b.profile or not np.array_equal(targets, targets_b):
+        raise ValueError(f"perplexities {a.profile!r} and {b.profile!r} are not on the same windows")
     counts = resample_counts(len(targets), resamples, np.random.default_rng(seed))  # (B, n)
     tokens = counts @ targets  # (B,)
     draws = np.exp(counts @ nll_a / tokens) - np.exp(counts @ nll_b / tokens)
@@ -155,10 +154,10 @@ def ranking_tables(results: Sequence[StoredResult], profile: str, *, metric_map:
     for (model, n_calib), ratios in sorted(by_slot.items()):
         ppl_rows, accuracy_rows = [], []
         for ratio, runs in sorted(ratios.items()):
-            entries = [(label, next((p for p in record.perplexity if p["profile"] == profile), None))
+            entries = [(label, next((p for p in record.perplexity if p.profile == profile), None))
                        for label, record in runs]
-            ppl_rows += _ranking_rows([Ranked(label, entry["ppl"], entry) for label, entry in entries
-                                       if entry is not None and "window_nll" in entry],
+            ppl_rows += _ranking_rows([Ranked(label, entry.ppl, entry) for label, entry in entries
+                                       if entry is not None and entry.window_nll is not None],
                                       ratio, ppl_difference, 2, lower=True)
             items = [(label, task_items(record, metric_map)) for label, record in runs]
             accuracy_rows += _ranking_rows(
