@@ -1,25 +1,36 @@
 """One pruning experiment end to end: load, calibrate, prune, evaluate, record (and optionally save).
 
 The layer of "one run": ``rcpu-bench prune`` runs one :class:`Experiment`, a matrix (:mod:`rcpu_bench.matrix`)
-runs one per cell; either way the result is a :class:`rcpu_bench.records.Record`.
+runs one per cell; either way the result is a :class:`rcpu_bench.records.Record`. The experiment-level options
+(revision, dtype, device, evaluation batch size, ...) are declared once, as :class:`Experiment`'s fields
+(:func:`rcpu_bench.declaration.option`, the mechanism of the pruning options): the flags of the commands that take
+them (:func:`add_flags`), the matrix keys and the reference table (:func:`markdown_table`) derive from them.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rcpu_bench import data, experiment_options
+from torch import nn
+
+from rcpu_bench import data
 from rcpu_bench.compensation import diagnostics
-from rcpu_bench.evaluation import perplexity
+from rcpu_bench.declaration import Option, add_argument, declared, option
+from rcpu_bench.declaration import markdown_table as options_table
+from rcpu_bench.evaluation import EVAL_BATCH_SIZE, perplexity
 from rcpu_bench.evaluation.generation import text_sample
 from rcpu_bench.evaluation.speed import inference_speed
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.loading import (
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
+    DTYPES,
     LoadedModel,
     check_device,
     load_config,
@@ -28,6 +39,8 @@ from rcpu_bench.model.loading import (
     model_skeleton,
     model_source,
     parameter_count,
+    resolve_device,
+    resolve_dtype,
 )
 from rcpu_bench.model.manifest import check_saved_model
 from rcpu_bench.model.persistence import save_pruned
@@ -55,43 +68,54 @@ class Experiment:
     prune: PruneConfig = field(default_factory=PruneConfig)
     calib: str = DEFAULT_CALIB
     ppl_profiles: tuple[str, ...] = DEFAULT_PPL_PROFILES
-    revision: str | None = experiment_options.default("revision")
-    trust_remote_code: bool = experiment_options.default("trust_remote_code")
-    dtype: str = experiment_options.default("dtype")
-    device: str = experiment_options.default("device")
-    eval_batch_size: int = experiment_options.default("eval_batch_size")
+    revision: str | None = option("text", None, "hub revision (branch, tag or commit) to pin; recorded")
+    trust_remote_code: bool = option("flag", False, "run Python code shipped with the model (transformers' "
+                                     "trust_remote_code); without it such a model is refused with an error, never "
+                                     "prompted for")
+    dtype: str = option("text", DEFAULT_DTYPE, f"the model's dtype: {', '.join(DTYPES)} (the paper uses float32)",
+                        library_check=resolve_dtype)
+    device: str = option("text", DEFAULT_DEVICE, "cpu, cuda or cuda:N (does not change results, nor enter cell ids)",
+                         library_check=resolve_device)
+    eval_batch_size: int = option("count", EVAL_BATCH_SIZE, "sequences per evaluation forward pass: perplexity, "
+                                  "lm-eval, timing (does not change perplexity or accuracy; speed's recorded figures "
+                                  "are measured at 1)")
     data_dir: str | None = None
     save_dir: str | None = None
     skip: tuple[str, ...] = ()  # of SKIPPABLE
 
     def validate(self, registry: Registry, *, here: bool = True) -> None:
-        """Every check before the model is loaded: names and ranges, the device, the model's files (a saved
-        directory against its manifest's checksums) and the budgets its shape decides (units per layer under the
-        allocation, round_to, a depth method's layers), the calibration and held-out windows its tokenizer cuts from
-        the source, the profiles' data and the --save destination. Each failure is a one-line ValueError or OSError
-        naming the bad value. ``here=False`` (the experiment runs elsewhere, on a Ray worker) checks the device's
-        name, not that it exists.
-        """
+        """Every check before the model is loaded, each a one-line ValueError or OSError naming the bad value: the
+        options (:meth:`check_options`), the inputs (:meth:`check_inputs`) and the budgets the model's shape decides
+        (:meth:`check_budget`). ``here=False`` (the experiment runs elsewhere, on a Ray worker) checks the device's
+        name, not that it exists."""
+        self.check_options(registry)
+        self.check_budget(self.check_inputs(here=here), registry)
+
+    def check_options(self, registry: Registry) -> None:
+        """Names and ranges: the pruning options against the registry, the measurements left out, dtype, device and
+        batch size, and a save a whole-model method cannot do."""
         self.prune.validate(registry)
         unknown = [item for item in self.skip if item not in SKIPPABLE]
         if unknown:
             raise ValueError(f"skip {', '.join(map(repr, unknown))}: not a measurement a run can leave out; allowed: "
                              f"{', '.join(SKIPPABLE)}")
         for name in ("dtype", "device", "eval_batch_size"):
-            experiment_options.BY_NAME[name].check(getattr(self, name))
+            BY_NAME[name].check(getattr(self, name))
+        method = self.prune.model_method
+        if self.save_dir and method and registry.get("model-method", method).save is None:
+            raise ValueError(f"the model method {method!r} registered no save function; drop --save")
+
+    def check_inputs(self, *, here: bool = True) -> nn.Module:
+        """What the run reads and writes, without loading weights: the device (``here``), the model's files (a saved
+        directory against its manifest's checksums) and config, the calibration and held-out windows its tokenizer
+        cuts from the source, the profiles' data and the --save destination; returns the model's weightless
+        skeleton."""
         if here:
             check_device(self.device)
         check_saved_model(self.model)
         config, commit = load_config(self.model, self.revision,
                                      prune=() if self.prune.model_method else self.prune.prune,
                                      trust_remote_code=self.trust_remote_code)
-        skeleton = model_skeleton(config, self.trust_remote_code)
-        geometries = layer_geometries(skeleton)
-        self.prune.check_budget(skeleton, registry)
-        for module in self.prune.unpruned_modules(geometries):
-            n, what = selection_units(geometries[0], module, self.prune.gqa_rule)
-            log.warning(f"ratio={self.prune.ratio} prunes none of the {n} {what} of {module} in any layer "
-                        f"(⌊ρ·n⌋ = 0, rounding={self.prune.rounding!r}): only the other modules are pruned")
         self._check_calibration(load_tokenizer(model_source(self.model), commit or self.revision,
                                                trust_remote_code=self.trust_remote_code),
                                 config.max_position_embeddings)
@@ -99,9 +123,17 @@ class Experiment:
             perplexity.profile_source(profile, self.data_dir)
         if self.save_dir:
             check_new_dir(self.save_dir, "--save directory")
-        method = self.prune.model_method
-        if self.save_dir and method and registry.get("model-method", method).save is None:
-            raise ValueError(f"the model method {self.prune.model_method!r} registered no save function; drop --save")
+        return model_skeleton(config, self.trust_remote_code)
+
+    def check_budget(self, skeleton: nn.Module, registry: Registry) -> None:
+        """The budgets the model's shape decides (``PruneConfig.check_budget``: units per layer under the allocation,
+        round_to, a whole-model method's own check); a module the ratio prunes nothing of is a warning."""
+        self.prune.check_budget(skeleton, registry)
+        geometries = layer_geometries(skeleton)
+        for module in self.prune.unpruned_modules(geometries):
+            n, what = selection_units(geometries[0], module, self.prune.gqa_rule)
+            log.warning(f"ratio={self.prune.ratio} prunes none of the {n} {what} of {module} in any layer "
+                        f"(⌊ρ·n⌋ = 0, rounding={self.prune.rounding!r}): only the other modules are pruned")
 
     def _check_calibration(self, tokenizer: Any, max_positions: int) -> None:
         """Cut the calibration (and held-out) windows now, as the run will (they are cached): a source too short
@@ -114,11 +146,27 @@ class Experiment:
         return asdict(self)
 
 
+OPTIONS: tuple[Option, ...] = declared(Experiment)
+BY_NAME: dict[str, Option] = {declared_option.name: declared_option for declared_option in OPTIONS}
+MODEL = ("revision", "trust_remote_code", "dtype", "device")  # what every command that loads a model takes
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """The flags of the options ``names``; counts are parsed as integers and checked where they are used."""
+    for name in names:
+        add_argument(parser, BY_NAME[name], checked_later=True)
+
+
+def markdown_table() -> str:
+    """The reference table of the experiment-level options as command-line flags."""
+    return options_table(OPTIONS)
+
+
 def run_experiment(experiment: Experiment, *, registry: Registry | None = None, progress: bool = True,
                    load: Callable[..., LoadedModel] = load_model,
                    evaluate: Callable[[Any, Any], dict[str, Any]] | None = None,
                    reuse_capture: Callable[[Callable[[], Any]], Any] | None = None,
-                   keep_record: Callable[[Record], None] | None = None) -> Record:
+                   keep_record: Callable[[Record], None] | None = None, validated: bool = False) -> Record:
     """Run one experiment and return its result record.
 
     ``load`` (load_model's signature) supplies the dense model, which the run prunes in place, so it must
@@ -127,9 +175,12 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     (:meth:`Record.add`: the matrix runner's zero-shot accuracy). ``reuse_capture`` goes to prune_model: the
     matrix runner's cache of layer-0 inputs (rcpu_bench.matrix.reuse). ``keep_record(record)`` is called with the
     finished record before the model is saved (prune's ``--out``), so a failing save loses no record.
+    ``validated=True``: the caller has run ``experiment.validate`` (a matrix: each cell's options when it expanded,
+    the inputs of each setting and each cell's budgets before the first cell ran), so it is not run again.
     """
     registry = registry or default_registry()
-    experiment.validate(registry)
+    if not validated:
+        experiment.validate(registry)
     started = time.perf_counter()
     # With offloading the model stays in CPU memory and each layer visits the device while it is pruned.
     home = "cpu" if experiment.prune.offload else experiment.device

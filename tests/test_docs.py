@@ -166,7 +166,7 @@ def test_cli_reference_holds_every_command_and_option_of_the_parsers():
 
 
 def test_cli_reference_tables_are_the_declared_ones():
-    from rcpu_bench import experiment_options
+    from rcpu_bench import experiment as experiment_options
     from rcpu_bench.matrix.spec import key_table
     from rcpu_bench.pruning import options
 

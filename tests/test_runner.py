@@ -22,7 +22,7 @@ from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
 from rcpu_bench.commands import main
 from rcpu_bench.compensation import compensators
-from rcpu_bench.experiment import run_experiment
+from rcpu_bench.experiment import Experiment, run_experiment
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.matrix import executors
 from rcpu_bench.matrix.executors import ModelCache, clone_to, make_executor, run_cell
@@ -293,3 +293,29 @@ def test_run_prints_the_plan_then_plain_cell_lines_then_the_table_and_plots(caps
 
 def test_the_default_cell_seconds_follow_the_parameter_count():
     assert [default_cell_seconds(n) for n in (3e5, 1.1e9, 7e9, 7e10)] == [6.0, 300.0, 900.0, 1800.0]
+
+
+def test_each_cell_is_checked_once_and_its_run_checks_nothing_again(tmp_path, monkeypatch):
+    """Options per cell as the matrix expands, inputs (model config, tokenizer, windows, profiles) per setting and
+    budgets per cell before the first cell runs; the run itself neither checks nor reads the config or tokenizer
+    again."""
+    from collections import Counter
+
+    from rcpu_bench import experiment as experiment_module
+
+    calls: Counter[str] = Counter()
+
+    def counting(name, original):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return counted
+
+    for name in ("check_options", "check_inputs", "check_budget", "validate"):
+        monkeypatch.setattr(experiment_module.Experiment, name, counting(name, getattr(Experiment, name)))
+    for name in ("load_config", "load_tokenizer"):
+        monkeypatch.setattr(experiment_module, name, counting(name, getattr(experiment_module, name)))
+    summary = run_matrix(tiny_matrix(["wanda-sp", "rcpu-rot"], ratios=[0.1, 0.2], include_dense=True), tmp_path,
+                         progress=False, registry=REGISTRY)
+    assert summary.ok == 5
+    assert calls == {"check_options": 5, "check_inputs": 1, "check_budget": 5, "load_config": 1, "load_tokenizer": 1}

@@ -13,10 +13,10 @@ import contextlib
 import traceback
 from functools import partial
 
-from rcpu_bench import experiment_options, paths
+from rcpu_bench import paths
 from rcpu_bench.commands import INPUT_ERRORS, command, export
 from rcpu_bench.data import parse_calib
-from rcpu_bench.experiment import DEFAULT_CALIB, DEFAULT_PPL_PROFILES, Experiment, run_experiment
+from rcpu_bench.experiment import DEFAULT_CALIB, DEFAULT_PPL_PROFILES, MODEL, Experiment, add_flags, run_experiment
 from rcpu_bench.model.loading import model_source
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import check_not_input, check_output_file, default_model
@@ -30,14 +30,14 @@ from rcpu_bench.registry import Method, PluginContractError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local model directory or Hugging Face hub id "
                    "(default: the stories260K-mha fixture in the shared directory)")
-    experiment_options.add_arguments(p, experiment_options.MODEL)
+    add_flags(p, MODEL)
     options.add_arguments(p)
     p.add_argument("--calib", default=DEFAULT_CALIB,
                    help="calibration data SOURCE[:NxSEQLEN][:seed=S]; sources wikitext2, tinystories, file:PATH")
     p.add_argument("--ppl", action="append", default=None, metavar="PROFILE",
                    help="perplexity profile(s): rcpu128, std2048, tinystories, tinystories[START:STOP] "
                         f"(default: {', '.join(DEFAULT_PPL_PROFILES)})")
-    experiment_options.add_arguments(p, ["eval_batch_size"])
+    add_flags(p, ["eval_batch_size"])
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--save", metavar="DIR", help="save the pruned model (safetensors + shape manifest)")
     p.add_argument("--out", metavar="JSONL", help="append the result record to this file")

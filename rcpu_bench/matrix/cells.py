@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from rcpu_bench import experiment_options
+from rcpu_bench.experiment import BY_NAME as EXPERIMENT
 from rcpu_bench.experiment import Experiment
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.pruning import options
@@ -69,7 +69,7 @@ class Cell:
     eval: tuple[str, ...] = _role("request")
     dtype: str = _role("run")
     device: str = _role("execution")
-    eval_batch_size: int = _role("execution", default=experiment_options.BY_NAME["eval_batch_size"].default)
+    eval_batch_size: int = _role("execution", default=EXPERIMENT["eval_batch_size"].default)
     zeroshot_limit: int | None = _role("run", unset=None, default=None)
     skip: tuple[str, ...] = _role("request", unset=[], default=())  # measurements left out (Experiment.skip)
 

@@ -35,7 +35,7 @@ from rcpu_bench.matrix.ray_resources import (
 from rcpu_bench.matrix.reuse import LayerInputCache, capture_key
 from rcpu_bench.matrix.spec import Cell
 from rcpu_bench.matrix.store import Entry, error_info, make_entry
-from rcpu_bench.model.loading import LoadedModel, load_model
+from rcpu_bench.model.loading import LoadedModel, check_device, load_model
 from rcpu_bench.records import Record
 from rcpu_bench.registry import Registry
 
@@ -136,7 +136,8 @@ def evaluations(cell: Cell) -> Callable[[Any, Any], dict[str, Any]] | None:
 
 def run_cell(cell: Cell, registry: Registry, models: ModelCache, inputs: LayerInputCache | None = None,
              device: str | None = None) -> Entry:
-    """Run one cell and return its store entry; any exception becomes a failed entry with its traceback.
+    """Run one cell, checked before it ran (``runner.preflight``), and return its store entry; any exception becomes
+    a failed entry with its traceback.
 
     ``inputs`` shares layer 0's captured inputs between cells (rcpu_bench.matrix.reuse); ``device`` replaces
     the cell's device (the GPU Ray assigned), the entry still records the cell as listed.
@@ -145,8 +146,9 @@ def run_cell(cell: Cell, registry: Registry, models: ModelCache, inputs: LayerIn
     try:
         experiment = cell.experiment() if device is None else replace(cell.experiment(), device=device)
         reuse = inputs.reuse(capture_key(cell, experiment.device)) if inputs is not None else None
+        check_device(experiment.device)  # the device a Ray worker was given is checked where it runs
         record = run_experiment(experiment, registry=registry, progress=False, load=models.load,
-                                evaluate=evaluations(cell), reuse_capture=reuse)
+                                evaluate=evaluations(cell), reuse_capture=reuse, validated=True)
         _check_finite(record)
         return make_entry(cell, seconds=time.perf_counter() - started, record=record)
     except Exception as error:  # noqa: BLE001 - one failing cell must not stop the matrix

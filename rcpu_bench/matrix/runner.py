@@ -45,7 +45,7 @@ from rcpu_bench.matrix.store import (
     StoredResult,
     read_results,
 )
-from rcpu_bench.model.loading import load_config, model_skeleton
+from rcpu_bench.model.loading import load_config
 from rcpu_bench.paths import check_output_dir
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.methods import percent
@@ -61,30 +61,29 @@ DEFAULT_CELL_SECONDS = ((10e6, 6.0), (1.5e9, 300.0), (10e9, 900.0), (float("inf"
 
 
 def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> None:
-    """Every check that needs no model weights, before the first cell runs.
+    """Every check that needs no model weights, before the first cell runs, each once.
 
-    ``expand`` validated each cell's PruneConfig; here each distinct setting of the rest of the
-    experiment (model, calibration and hold-out count, profiles, dtype, device) is validated once with
-    Experiment.validate, each cell's budgets against its model's shape (``PruneConfig.check_budget``), the
-    zero-shot tasks' data once when a cell asks for them, llama-cpp-python and the models' GGUF export when a cell
-    asks for llama.cpp speed.
+    ``expand`` checked each cell's options (``Experiment.check_options``); here the inputs of each distinct setting
+    of the rest of the experiment (model, calibration and hold-out count, profiles, dtype, device:
+    ``Experiment.check_inputs``), each cell's budgets against its model's weightless skeleton
+    (``Experiment.check_budget``), the zero-shot tasks' data once when a cell asks for them, llama-cpp-python and
+    the models' GGUF export when a cell asks for llama.cpp speed. The cells then run without checking again
+    (``run_experiment(..., validated=True)``).
     ``here``: the cells run in this process, so their device must exist here (not so for a Ray cluster's
     workers).
     """
-    validated: set[str] = set()
+    checked: set[str] = set()
     skeletons: dict[tuple[str, str | None], nn.Module] = {}
     for cell in cells:
         try:
             experiment = cell.experiment()
             held_out = PruneConfig(holdout=experiment.prune.holdout)  # checked against the source per setting
             setting = json.dumps(replace(experiment, prune=held_out).to_dict(), sort_keys=True, default=str)
-            if setting not in validated:
-                experiment.validate(registry, here=here)
-                validated.add(setting)
-            model = (experiment.model, experiment.revision)
-            if model not in skeletons:
-                skeletons[model] = model_skeleton(load_config(*model)[0])
-            experiment.prune.check_budget(skeletons[model], registry)
+            if setting not in checked:
+                skeleton = experiment.check_inputs(here=here)
+                skeletons.setdefault((experiment.model, experiment.revision), skeleton)
+                checked.add(setting)
+            experiment.check_budget(skeletons[experiment.model, experiment.revision], registry)
         except (ValueError, KeyError, OSError) as error:
             where = f"cell {cell.id} ({cell.describe()}, model {cell.model})"
             raise MatrixError(f"{where}: {error_message(error)}") from None
