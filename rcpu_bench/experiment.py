@@ -218,7 +218,8 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         calibration=calib.provenance.as_dict(),
         versions=library_versions(),
         environment=environment(experiment.device),
-        parameters=Parameters(params_before, params_after, 1 - params_after / params_before),
+        parameters=Parameters(params_before, params_after, 1 - params_after / params_before,
+                              _unpruned(experiment.prune.prune, report.layers)),
         perplexity=ppl,
         # On the calibration windows themselves: the paper's rule for choosing the ridge λ (appendix bestlam).
         calibration_ppl=math.exp(calib_nll / calib_targets) if calib_targets else None,
@@ -244,3 +245,11 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
         save_pruned(model, experiment.save_dir, tokenizer=tokenizer, method=experiment.prune.to_dict(),
                     provenance=loaded.provenance, record=record)
     return record
+
+
+def _unpruned(modules: tuple[str, ...], layers: list[dict[str, Any]]) -> tuple[str, ...] | None:
+    """The modules asked to be pruned that lost no unit in any layer (the ratio's ⌊ρ·n⌋ is 0 under the GQA rule),
+    which the tables mark; None when every module lost units (or a whole-model method reported no layers)."""
+    unpruned = tuple(m for m in modules if layers and all(layer[m]["units_pruned"] == 0 for layer in layers
+                                                          if m in layer))
+    return unpruned or None

@@ -120,18 +120,24 @@ class Timing:
 
 @dataclass(frozen=True)
 class Parameters:
-    """Parameter counts of the model before and after pruning, and the fraction removed: 1 − after / before."""
+    """Parameter counts of the model before and after pruning, the fraction removed (1 − after / before), and the
+    modules asked to be pruned that lost no unit in any layer (None when every one lost some)."""
 
     before: int
     after: int
     removed_fraction: float
+    unpruned_modules: tuple[str, ...] | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Parameters:
-        return cls(**_strict(cls, data))
+        values = _strict(cls, data, frozenset({"unpruned_modules"}))
+        unpruned = values.get("unpruned_modules")
+        return cls(**{**values, "unpruned_modules": None if unpruned is None else tuple(unpruned)})
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        unpruned = data.pop("unpruned_modules")
+        return data if unpruned is None else {**data, "unpruned_modules": list(unpruned)}
 
 
 # The typed parts of a record: field → how its JSON value reads (a list: one part per item).

@@ -12,7 +12,7 @@ import pytest
 from rcpu_bench.model import real_models
 from rcpu_bench.model.loading import LoadedModel, load_model
 
-NAMES = tuple(real_models.MODELS)
+NAMES = tuple(name for name, model in real_models.MODELS.items() if model.extra == "models")  # the [models] extra's
 
 
 def require(name: str) -> real_models.RealModel:

@@ -212,3 +212,61 @@ def test_q8_0_runs_within_its_tolerance(tmp_path):
     ids = AutoTokenizer.from_pretrained(STORIES)(PROMPT)["input_ids"]
     expected, got = transformers_logits(model, ids), llama_cpp_logits(tmp_path / "m.gguf", ids)
     assert np.abs(got - expected).max() <= 3e-2 * np.abs(expected).max()
+
+
+# Qwen2 / Qwen2.5's split (their tokenizer.json's Split pre-tokenizer), as llama.cpp's "qwen2" pre-tokenizer applies it.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+               r"\s+(?!\S)|\s+")
+CODE = "def mean(values: list[float]) -> float:\n    return sum(values) / len(values)  # it's 2024's API\n"
+
+
+def qwen2_like_tokenizer():
+    """A byte-level BPE with Qwen2's split and NFC normalizer, its merges learned here from Python source."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    corpus = [CODE * 3, "import os\nfor name in os.listdir('.'):\n    print(name, len(name))\n",
+              "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"]
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+
+
+@pytest.mark.parametrize("compensator", ["procrustes", "flap-bias"])
+def test_a_qwen2_with_query_heads_pruned_tokenizes_and_runs_as_in_transformers(tmp_path, compensator):
+    """q/k/v biases of the kept heads (one of the 4 query heads of each key/value group removed), o_proj's added
+    bias with flap-bias, and Qwen2's split as llama.cpp's "qwen2" pre-tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tokenizer = qwen2_like_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.3, rope_theta=1e6, bos_token_id=0, eos_token_id=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.ndim == 1:
+                    parameter.add_(0.2 * torch.randn_like(parameter))
+        calib = torch.randint(1, len(tokenizer), (8, 32))
+    prune_model(model, calib, PruneConfig(ratio=0.25, prune=("attention", "mlp"), gqa_rule="query",
+                                          compensator=compensator), registry=default_registry(), progress=False)
+    assert model.model.layers[0].self_attn.q_proj.bias.shape == (48,)
+    summary = export_gguf(model, tokenizer, tmp_path / "qwen2.gguf", dtype="float32")
+    assert summary["architecture"] == "llama" and summary["heads"] == [6, 6]
+    ids = tokenizer(CODE)["input_ids"]
+    llm = load_gguf(tmp_path / "qwen2.gguf", n_ctx=128)
+    try:
+        assert llm.tokenize(CODE.encode(), add_bos=False, special=False) == ids
+        assert llm.tokenize(b"x  =  'naive' \n\n  y", add_bos=False, special=False) == \
+            tokenizer("x  =  'naive' \n\n  y")["input_ids"]
+    finally:
+        llm.close()
+    assert_same_model(model, tmp_path / "qwen2.gguf", ids[:40])

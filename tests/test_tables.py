@@ -17,10 +17,13 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tiny_models import STORIES, needs_stories
 
 from rcpu_bench.commands import main
+from rcpu_bench.experiment import Experiment, run_experiment
 from rcpu_bench.matrix.store import Entry, StoredResult, read_results
 from rcpu_bench.pruning.methods import RECIPES
+from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.timing import PHASES
 from rcpu_bench.tables import results as values
 from rcpu_bench.tables.layout import spec
@@ -650,3 +653,25 @@ def test_cli_lambda_rule(tmp_path, capsys):
     assert "lambda_rule holdout needs records run with --holdout" in capsys.readouterr().err
     assert run_cli(["--results", str(tmp_path), "--table", "ppl", "--lambda-rule", "paper"]) == 0
     assert "lambda_best: lowest calibration perplexity, the paper's rule" in capsys.readouterr().out
+
+
+@needs_stories
+def test_a_ratio_that_removes_no_head_is_in_the_record_and_marked_on_its_row():
+    """stories260K has 4 key/value groups: under the group rule ⌊0.2·4⌋ = 0 heads go at 20 %, ⌊0.3·4⌋ = 1 at 30 %."""
+    records = {ratio: run_experiment(Experiment(
+        model=str(STORIES), prune=PruneConfig(ratio=ratio, compensator="none", scorer="wanda-sp"),
+        calib="tinystories:8x32", ppl_profiles=("tinystories[500:502]",), skip=("speed", "sample")), progress=False)
+        for ratio in (0.2, 0.3)}
+    heads = {ratio: sum(layer["attention"]["units_pruned"] for layer in record.layers)
+             for ratio, record in records.items()}
+    assert heads == {0.2: 0, 0.3: 5}  # one group of each of the 5 layers at 30 %
+    assert records[0.2].parameters.unpruned_modules == ("attention",)
+    assert records[0.3].parameters.unpruned_modules is None
+    entries = []
+    for ratio, record in records.items():
+        stored_entry = entry("wanda-sp", ratio, 10.0)
+        stored_entry["record"] = {**stored_entry["record"], "layers": record.layers,
+                                  "parameters": record.parameters.to_json()}
+        entries.append(stored_entry)
+    (table,) = tables_of(entries, "ppl")
+    assert [row[0] for row in grid(table)] == ["WANDA-sp [MLP channels only: the ratio removes no head]", "WANDA-sp"]

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import hashlib
 import logging
 import os
 import socket
@@ -54,6 +53,7 @@ from urllib.parse import urlparse
 from huggingface_hub import constants
 
 from rcpu_bench import console
+from rcpu_bench.atomic_file import file_sha256
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS, table_metric
 from rcpu_bench.finite import check_metrics, finite_logits
 from rcpu_bench.paths import data_dir as default_data_dir
@@ -108,15 +108,6 @@ def local_data_files(task: str) -> list[str]:
     """The data files of ``task``'s local config, relative to the data directory."""
     splits = _load_yaml(local_yaml(task), resolve_func=False)["dataset_kwargs"]["data_files"]
     return [name for files in splits.values() for name in files]
-
-
-def sha256(path: Path) -> str:
-    """The SHA-256 of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def parse_tasks(text: str) -> tuple[str, ...]:
@@ -291,7 +282,7 @@ def plan_zeroshot(tasks: str | tuple[str, ...] | list[str] = TASKS, *, data_dir:
         if missing:
             raise FileNotFoundError(f"zero-shot data file(s) not found: {', '.join(missing)} "
                                     f"(set --data-dir or $RCPU_BENCH_DATA)")
-        files = {name: sha256(root / name) for name in relative}
+        files = {name: file_sha256(root / name) for name in relative}
     return ZeroShotPlan(paper, used, reason, limit, batch_size, metric_map, root, files, num_fewshot, other,
                         tuple(built), paths)
 
@@ -383,15 +374,16 @@ def run_zeroshot(model: Any, tokenizer: Any, plan: ZeroShotPlan, *, log_samples:
     """
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
+
+    from rcpu_bench.evaluation.lm_eval_model import BoundedHFLM
 
     if log_samples and output_path is None:
         raise ValueError("log_samples needs an output_path to write the samples to")
     if output_path is not None:
         check_output_path(output_path)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=plan.batch_size,
-              max_length=model.config.max_position_embeddings)
+    lm = BoundedHFLM(pretrained=model, tokenizer=tokenizer, batch_size=plan.batch_size,
+                     max_length=model.config.max_position_embeddings)
     if not console.showing_bars():  # lm-eval's request bars follow --quiet and the terminal as ours do
         for request_type in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
             setattr(lm, request_type, functools.partial(getattr(lm, request_type), disable_tqdm=True))

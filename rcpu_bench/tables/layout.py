@@ -76,8 +76,17 @@ def any_row(result: StoredResult) -> str | None:
 
 
 SCALE_VOID = "scale void: post-norm"
-# A run pruning one module only is its method's row with this mark (runs of both modules have none).
+# A run pruning one module only is its method's row with this mark (runs of both modules have none); a run asked to
+# prune both whose ratio removed no unit of one says so after the mark.
 SCOPE = {frozenset({"mlp"}): "MLP channels only", frozenset({"attention"}): "heads only"}
+NONE_REMOVED = {"attention": "the ratio removes no head", "mlp": "the ratio removes no channel"}
+
+
+def unpruned_modules(result: StoredResult) -> frozenset[str]:
+    """The modules the run was asked to prune that lost no unit in any layer (its record's layer reports)."""
+    layers = result.record.layers or []
+    return frozenset(m for m in result.prune["prune"]
+                     if layers and all(layer[m]["units_pruned"] == 0 for layer in layers if m in layer))
 
 
 def scale_void(result: StoredResult) -> bool:
@@ -94,8 +103,10 @@ def _marked(label: str, result: StoredResult) -> str:
     adjacent ones as a reference link."""
     marks = []
     prune = result.prune
-    if prune["ratio"] > 0 and prune["model_method"] is None and frozenset(prune["prune"]) in SCOPE:
-        marks.append(SCOPE[frozenset(prune["prune"])])
+    unpruned = unpruned_modules(result)
+    pruned = frozenset(prune["prune"]) - unpruned
+    if prune["ratio"] > 0 and prune["model_method"] is None and pruned in SCOPE:
+        marks.append(": ".join([SCOPE[pruned], *(NONE_REMOVED[m] for m in sorted(unpruned))]))
     if scale_void(result):
         marks.append(SCALE_VOID)
     return f"{label} [{'; '.join(marks)}]" if marks else label
