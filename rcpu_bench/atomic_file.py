@@ -1,8 +1,10 @@
 """Files and directories written whole or not at all (a temporary sibling, then a rename), and file checksums.
 
 Every staging name carries the writer's pid (``.NAME.<pid>.<random>.partial``): concurrent writers of one output
-never share one, and a staging file or directory left by a killed writer is removed by the next write beside it.
-A write that fails (a full disk, say) is one OSError naming the output, with the staging removed.
+never share one, and a staging file or directory left by a killed writer is removed by the next write beside it
+(its process is gone, or the process now holding its pid started after it was last written). A write that fails (a
+full disk, say) is one OSError naming the output, with the staging removed; where the size of a write is known
+beforehand, ``check_free_space`` refuses it before any work.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import glob
 import hashlib
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -94,11 +97,14 @@ def write_atomically(directory: str | os.PathLike, write: Callable[[Path], None]
     existing ``directory`` raises FileExistsError unless ``overwrite`` or it is an empty directory (which
     ``Experiment.validate`` accepts for ``--save``, so the save after all the work must too), and so does one
     that another writer published meanwhile. Every saver uses this. A process killed mid-save cannot clean up:
-    its staging directory is removed by the next save to ``directory`` (``remove_stale_staging``).
+    its staging directory is removed by the next save to ``directory`` (``remove_stale_staging``). A symbolic link
+    is written through: the directory it points to is the output.
     """
     target = Path(directory)
+    target = target.resolve() if target.is_symlink() else target
     if target.exists() and not overwrite and not _empty_directory(target):
-        raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
+        raise FileExistsError(f"{target} already exists and is kept as it is; allowed: a new path or an empty "
+                              "directory (overwrite=True replaces it)")
     staging = staging_sibling(target, directory=True)
     try:
         with writing(target):
@@ -108,6 +114,33 @@ def write_atomically(directory: str | os.PathLike, write: Callable[[Path], None]
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def claimed(directory: str | os.PathLike) -> Iterator[None]:
+    """Hold the output ``directory`` for this process while the work that ends in writing it runs (a hidden staging
+    sibling of this process marks it): an output another live process holds or writes is refused at once, a
+    FileExistsError naming it, before the work, not after it. Two processes that claim one output at the same
+    moment may both be refused; neither writes."""
+    target = Path(directory)
+    target = target.resolve() if target.is_symlink() else target
+    _refuse_other_writers(target)
+    marker = staging_sibling(target, directory=True)
+    try:
+        _refuse_other_writers(target)
+        yield
+    finally:
+        shutil.rmtree(marker, ignore_errors=True)
+
+
+def _refuse_other_writers(target: Path) -> None:
+    """FileExistsError naming the live processes other than this one whose staging sits beside ``target``."""
+    others = sorted({int(parts[1]) for path in target.parent.glob(f".{glob.escape(target.name)}.*")
+                     if path.suffix == _STAGING and not _stale(path)
+                     and len(parts := path.stem.rsplit(".", 2)) == 3 and parts[1].isdigit()} - {os.getpid()})
+    if others:
+        raise FileExistsError(f"{target} is being written by another process (pid {', '.join(map(str, others))}); "
+                              "allowed: one writer per output (wait for it to end, or choose another path)")
 
 
 def _empty_directory(path: Path) -> bool:
@@ -121,7 +154,7 @@ def _publish(staging: Path, target: Path, overwrite: bool) -> None:
         retired = staging.with_suffix(_RETIRED)
         target.rename(retired)
         staging.rename(target)
-        shutil.rmtree(retired)
+        _remove(retired)
         return
     try:
         staging.rename(target)  # replaces an empty directory; fails on a non-empty one or a file
@@ -148,10 +181,17 @@ def _remove_stale(paths: Iterable[Path]) -> None:
     for path in paths:
         if _stale(path):
             log.warning("removing %s, left by an interrupted write", path)
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a link (not what it points to) or a directory tree, as far as it goes: what remains of a
+    retired or staging sibling is removed by a later write (``remove_stale_staging``)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
 
 def _stale(path: Path) -> bool:
@@ -161,7 +201,15 @@ def _stale(path: Path) -> bool:
         return False
     parts = path.stem.rsplit(".", 2)
     if len(parts) == 3 and parts[1].isdigit():
-        return not _process_alive(int(parts[1]))
+        pid = int(parts[1])
+        if not _process_alive(pid):
+            return True
+        started = _process_start(pid)
+        try:  # a writer starts before it writes: a process younger than the path reuses a gone writer's pid
+            status = path.lstat()
+        except FileNotFoundError:
+            return False
+        return started is not None and max(status.st_mtime, status.st_ctime) < started - _CLOCK_SLACK
     return path.suffix == _STAGING
 
 
@@ -174,6 +222,37 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
+
+
+_CLOCK_SLACK = 2.0  # seconds: /proc's boot time is whole seconds, a process's start time in clock ticks
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), from Linux's /proc; None where that is not known."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+        return int(boot.split()[1]) + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def check_free_space(path: Path, needed: int, what: str, *, allowed: str) -> None:
+    """OSError naming ``what`` unless the file system of ``path`` (or of its nearest existing parent, where it is to
+    be created) has ``needed`` bytes free: a write whose size is known is refused before any work."""
+    existing = next(place for place in (path.absolute(), *path.absolute().parents) if place.exists())
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        raise OSError(f"{what} need about {byte_size(needed)} and {existing} has {byte_size(free)} free; allowed: "
+                      f"{allowed}")
+
+
+def byte_size(count: int) -> str:
+    """A byte count for people: 517 MiB, 1.4 GiB, 48 KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if count >= scale:
+            return f"{count / scale:,.1f} {unit}" if count < 10 * scale else f"{count / scale:,.0f} {unit}"
+    return f"{math.ceil(count / 2**10):,} KiB"
 
 
 @contextlib.contextmanager

@@ -407,14 +407,16 @@ def calibration_data(spec: CalibSpec | str, tokenizer, *, data_dir: Path | str |
     return CalibData(_WINDOWS[window_key].clone(), provenance)
 
 
-def holdout_windows(spec: CalibSpec | str, tokenizer, n_windows: int, *, data_dir: Path | str | None = None) -> Tensor:
+def holdout_windows(spec: CalibSpec | str, tokenizer, n_windows: int, *, data_dir: Path | str | None = None,
+                    asked: str | None = None) -> Tensor:
     """``n_windows`` windows of ``spec``'s source that share no token position with any calibration window.
 
     The offsets continue the calibration's random stream (``random.Random(seed)`` after its ``n_samples``
     draws), rejecting every window that overlaps a calibration window; held-out windows may overlap each
     other, as calibration windows do. More than :func:`holdout_capacity` of them is refused up front (they would
     only repeat tokens), and so is a stream too short to find them. With ``spec.bos`` (and a tokenizer that adds a
-    BOS) each window is BOS and ``seqlen`` − 1 stream tokens, as the calibration windows are.
+    BOS) each window is BOS and ``seqlen`` − 1 stream tokens, as the calibration windows are. ``asked`` says who
+    asks for them in the refusal (default: ``holdout=<n_windows>``).
     """
     if n_windows < 1:
         raise ValueError(f"held-out windows: n_windows={n_windows} must be at least 1")
@@ -427,9 +429,10 @@ def holdout_windows(spec: CalibSpec | str, tokenizer, n_windows: int, *, data_di
     calib = [rng.randint(0, last) for _ in range(spec.n_samples)]
     capacity = holdout_capacity(calib, last + length, length)
     if n_windows > capacity:
-        raise ValueError(f"holdout={n_windows} asks for more held-out windows than {spec} can give: {capacity} "
-                         f"disjoint windows of {length} tokens fit outside its calibration windows; allowed: "
-                         f"holdout <= {capacity}, or fewer calibration windows or a longer source")
+        limit = f"holdout <= {capacity}" if asked is None else f"at most {capacity:,} held-out windows in all"
+        raise ValueError(f"{asked or f'holdout={n_windows}'} asks for more held-out windows than {spec} can give: "
+                         f"{capacity:,} disjoint windows of {length} tokens fit outside its calibration windows; "
+                         f"allowed: {limit}, or fewer calibration windows or a longer source")
     starts: list[int] = []
     for _ in range(1000 * n_windows):
         start = rng.randint(0, last)

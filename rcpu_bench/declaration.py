@@ -73,7 +73,8 @@ class Option:
         if value is None and self.default is None:
             return
         if not _valid(self, value):
-            unknown = sorted(set(value) - set(MODULES)) if self.kind == "modules" and isinstance(value, tuple) else []
+            unknown = (sorted({v for v in value if isinstance(v, str)} - set(MODULES))
+                       if self.kind == "modules" and isinstance(value, tuple) else [])
             what = f"has unknown module(s) {unknown}" if unknown else "is not allowed"
             raise ValueError(f"{self.name}={value!r} {what}; allowed: {self.allowed}")
         if self.kind == "ratio":
@@ -138,7 +139,8 @@ def _valid(option: Option, value: Any) -> bool:
     if kind == "choice":
         return value in option.choices
     if kind == "modules":
-        return isinstance(value, tuple) and set(value) <= set(MODULES) and len(set(value)) == len(value)
+        return (isinstance(value, tuple) and all(isinstance(v, str) for v in value) and set(value) <= set(MODULES)
+                and len(set(value)) == len(value))
     if kind == "flag":
         return isinstance(value, bool)
     if kind == "structure":

@@ -10,6 +10,7 @@ them (:func:`add_flags`), the matrix keys and the reference table (:func:`markdo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import time
@@ -20,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from rcpu_bench import data
+from rcpu_bench.atomic_file import claimed
 from rcpu_bench.compensation import diagnostics
 from rcpu_bench.declaration import Option, add_argument, declared, option
 from rcpu_bench.declaration import markdown_table as options_table
@@ -33,6 +35,7 @@ from rcpu_bench.model.loading import (
     DTYPES,
     LoadedModel,
     check_device,
+    check_revision,
     load_config,
     load_model,
     load_tokenizer,
@@ -58,6 +61,15 @@ DEFAULT_PPL_PROFILES = ("rcpu128",)
 SKIPPABLE = ("calibration-ppl", "speed", "sample")
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What :meth:`Experiment.check_inputs` read of a model without its weights: its weightless (meta) skeleton and
+    its tokenizer."""
+
+    skeleton: nn.Module
+    tokenizer: Any
 
 
 @dataclass
@@ -105,42 +117,60 @@ class Experiment:
         if self.save_dir and method and registry.get("model-method", method).save is None:
             raise ValueError(f"the model method {method!r} registered no save function; drop --save")
 
-    def check_inputs(self, *, here: bool = True) -> nn.Module:
-        """What the run reads and writes, without loading weights: the device (``here``), the model's files (a saved
-        directory against its manifest's checksums) and config, the calibration and held-out windows its tokenizer
-        cuts from the source, the profiles' data and the --save destination; returns the model's weightless
-        skeleton."""
+    def check_inputs(self, *, here: bool = True) -> Inputs:
+        """What the run reads and writes, without loading weights: the device (``here``), the revision, the model's
+        files (a saved directory against its manifest's checksums) and config, the calibration windows and the
+        diagnostics' held-out windows its tokenizer cuts from the source, the profiles' data and the --save
+        destination; returns the model's weightless skeleton and its tokenizer."""
         if here:
             check_device(self.device)
+        check_revision(self.model, self.revision)
         check_saved_model(self.model)
         config, commit = load_config(self.model, self.revision,
                                      prune=() if self.prune.model_method else self.prune.prune,
                                      trust_remote_code=self.trust_remote_code)
-        self._check_calibration(load_tokenizer(model_source(self.model), commit or self.revision,
-                                               trust_remote_code=self.trust_remote_code),
-                                config.max_position_embeddings)
+        tokenizer = load_tokenizer(model_source(self.model), commit or self.revision,
+                                   trust_remote_code=self.trust_remote_code)
+        data.calibration_data(self.calib, tokenizer, data_dir=self.data_dir,
+                              max_positions=config.max_position_embeddings)
+        if self.prune.holdout:
+            data.holdout_windows(self.calib, tokenizer, self.prune.holdout, data_dir=self.data_dir)
         for profile in self.ppl_profiles:
             perplexity.profile_source(profile, self.data_dir)
         if self.save_dir:
             check_new_dir(self.save_dir, "--save directory")
-        return model_skeleton(config, self.trust_remote_code)
+        return Inputs(model_skeleton(config, self.trust_remote_code), tokenizer)
 
-    def check_budget(self, skeleton: nn.Module, registry: Registry) -> None:
+    def check_budget(self, inputs: Inputs, registry: Registry) -> None:
         """The budgets the model's shape decides (``PruneConfig.check_budget``: units per layer under the allocation,
-        round_to, a whole-model method's own check); a module the ratio prunes nothing of is a warning."""
+        round_to, a whole-model method's own check), a model allocation's own check (the search's cost bound and
+        cache space) with the held-out windows it will draw; a module the ratio prunes nothing of is a warning."""
+        skeleton = inputs.skeleton
         self.prune.check_budget(skeleton, registry)
         geometries = layer_geometries(skeleton)
         for module in self.prune.unpruned_modules(geometries):
             n, what = selection_units(geometries[0], module, self.prune.gqa_rule)
             log.warning(f"ratio={self.prune.ratio} prunes none of the {n} {what} of {module} in any layer "
                         f"(⌊ρ·n⌋ = 0, rounding={self.prune.rounding!r}): only the other modules are pruned")
+        allocated = self._check_model_allocation(registry, skeleton)
+        if allocated:
+            asked = f"allocation {self.prune.allocation!r} with {self.prune.allocation_params} ({allocated:,} windows)"
+            asked = f"holdout={self.prune.holdout} and {asked}" if self.prune.holdout else asked
+            data.holdout_windows(self.calib, inputs.tokenizer, self.prune.holdout + allocated, data_dir=self.data_dir,
+                                 asked=asked)
 
-    def _check_calibration(self, tokenizer: Any, max_positions: int) -> None:
-        """Cut the calibration (and held-out) windows now, as the run will (they are cached): a source too short
-        for the seqlen or the held-out count fails here, not after the model is loaded."""
-        data.calibration_data(self.calib, tokenizer, data_dir=self.data_dir, max_positions=max_positions)
-        if self.prune.holdout:
-            data.holdout_windows(self.calib, tokenizer, self.prune.holdout, data_dir=self.data_dir)
+    def _check_model_allocation(self, registry: Registry, skeleton: Any) -> int:
+        """A model allocation's own check on the model's shapes, where it has one (``hookspecs.ModelAllocation``:
+        the search's cost bound and cache space): the held-out windows it will draw (0 for any other allocation)."""
+        if self.prune.model_method is not None or self.prune.structure != "uniform":
+            return 0
+        allocation = registry.allocation(self.prune.allocation)(len(layer_geometries(skeleton)), self.prune.ratio,
+                                                                **self.prune.allocation_params)
+        check = getattr(allocation, "check", None)
+        if not callable(allocation) or check is None:
+            return 0
+        skeleton.to(resolve_dtype(self.dtype))  # weightless: the run's dtype sizes what it writes
+        return int(check(skeleton, self.prune, data.parse_calib(self.calib).seqlen))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -174,13 +204,24 @@ def run_experiment(experiment: Experiment, *, registry: Registry | None = None, 
     ``evaluate(model, tokenizer)`` evaluates the pruned model further; its fields join the record
     (:meth:`Record.add`: the matrix runner's zero-shot accuracy). ``reuse_capture`` goes to prune_model: the
     matrix runner's cache of layer-0 inputs (rcpu_bench.matrix.reuse). ``keep_record(record)`` is called with the
-    finished record before the model is saved (prune's ``--out``), so a failing save loses no record.
-    ``validated=True``: the caller has run ``experiment.validate`` (a matrix: each cell's options when it expanded,
-    the inputs of each setting and each cell's budgets before the first cell ran), so it is not run again.
+    finished record before the model is saved (prune's ``--out``), so a failing save loses no record. The save
+    directory is claimed for the whole run (``atomic_file.claimed``): a second run saving there is refused before its
+    work, not after it. ``validated=True``: the caller has run ``experiment.validate`` (a matrix: each cell's options
+    when it expanded, the inputs of each setting and each cell's budgets before the first cell ran), so it is not run
+    again.
     """
     registry = registry or default_registry()
     if not validated:
         experiment.validate(registry)
+    with claimed(experiment.save_dir) if experiment.save_dir else contextlib.nullcontext():
+        return _run(experiment, registry, progress, load, evaluate, reuse_capture, keep_record)
+
+
+def _run(experiment: Experiment, registry: Registry, progress: bool, load: Callable[..., LoadedModel],
+         evaluate: Callable[[Any, Any], dict[str, Any]] | None,
+         reuse_capture: Callable[[Callable[[], Any]], Any] | None,
+         keep_record: Callable[[Record], None] | None) -> Record:
+    """The run of a validated experiment (:func:`run_experiment`)."""
     started = time.perf_counter()
     # With offloading the model stays in CPU memory and each layer visits the device while it is pruned.
     home = "cpu" if experiment.prune.offload else experiment.device

@@ -98,6 +98,11 @@ class ModelAllocation(Protocol):
     Called once with the run's ``AllocationContext``; returns ``(counts, report)``: per decoder layer, {module: units to
     prune} for each pruned module, and a strict-JSON report that the record keeps as ``method_report["allocation"]``.
     The model must be left as it was handed over (dense).
+
+    It may also have ``check(model, config, seqlen) -> int``, which a run calls before the model loads, on a
+    weightless (meta) model of the run's shapes and dtype, its ``PruneConfig`` and the calibration windows' length:
+    it raises ValueError or OSError for what it would refuse (a cost above its bound, say) and returns how many
+    held-out windows it will draw, which the run then checks its calibration source can give.
     """
 
     def __call__(self, task: AllocationContext, /) -> tuple[list[dict[str, int]], dict[str, Any]]: ...

@@ -40,7 +40,14 @@ def default_model() -> str:
 
 
 def _creatable(path: Path, what: str) -> None:
-    """Raise unless a file can be created in ``path``'s nearest existing ancestor (the missing parents get created)."""
+    """Raise unless a file can be created in ``path``'s nearest existing ancestor (the missing parents get created)
+    and no missing one is a broken symbolic link (which no mkdir can create)."""
+    for place in (path.absolute(), *path.absolute().parents):
+        if place.exists():
+            break
+        if place.is_symlink():
+            raise ValueError(f"{what} {path}: {place} is a broken symbolic link (to {os.readlink(place)}); allowed: a "
+                             "path under a writable directory")
     ancestor = next(parent for parent in path.absolute().parents if parent.exists())
     if not ancestor.is_dir():
         raise ValueError(f"{what} {path}: {ancestor} is not a directory; allowed: a path under a writable directory")
@@ -74,7 +81,7 @@ def check_output_file(path: str | os.PathLike, what: str) -> None:
     path = Path(path)
     if path.exists() and not path.is_file():
         kind = "a directory" if path.is_dir() else "not a regular file"
-        raise ValueError(f"{what} {path} is {kind}; allowed: a file (new or to append to)")
+        raise ValueError(f"{what} {path} is {kind}; allowed: a file (a new path or an existing regular file)")
     if path.exists():
         try:
             open(path, "ab").close()

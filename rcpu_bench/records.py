@@ -297,11 +297,13 @@ def environment(device: str) -> dict[str, Any]:
 def append_record(path: str | Path, record: Record | Mapping[str, Any]) -> None:
     """Append one record (or any JSON object: a store entry) as a single strict-JSON line (no NaN, no tensors:
     ValueError naming the field) and fsync. The line is written whole or not at all: a failed write (a full disk)
-    truncates the file back to its previous size and is one OSError naming ``path``."""
+    truncates the file back to its previous size (removes it, when this write created it) and is one OSError naming
+    ``path``."""
     path = Path(path)
     line = strict_json.dumps(record.to_json() if isinstance(record, Record) else dict(record), sort_keys=True) + "\n"
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        created = not path.exists()
         descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         size = os.fstat(descriptor).st_size
@@ -310,6 +312,8 @@ def append_record(path: str | Path, record: Record | Mapping[str, Any]) -> None:
             os.fsync(descriptor)
         except BaseException as error:
             os.ftruncate(descriptor, size)
+            if created and size == 0:  # the file this write made goes too
+                path.unlink(missing_ok=True)
             if isinstance(error, OSError):
                 raise write_error(path, error) from error
             raise

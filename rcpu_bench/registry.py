@@ -11,6 +11,8 @@ looks a run's names up once, before any layer is touched.
 from __future__ import annotations
 
 import inspect
+import math
+import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -78,8 +80,9 @@ class Method:
             raise ValueError(f"{self.kind} {self.name!r} has no parameter(s) {', '.join(unknown)}; allowed: {allowed}")
         for key, value in params.items():
             if _is_number(self.params[key]) and isinstance(value, str):
+                number = _parses_as_number(value)
                 hint = (f" (YAML 1.1 reads 1e-2 without a decimal point as text: write {float(value):.1e})"
-                        if _parses_as_number(value) else "")
+                        if number and math.isfinite(float(value)) else "")
                 raise ValueError(f"{self.kind} {self.name!r} parameter {key}={value!r} is text, not a number{hint}; "
                                  f"allowed: a number (default {self.params[key]!r})")
 
@@ -367,3 +370,25 @@ def _call_hook(hook: Callable[..., None], hook_name: str, kind: Kind, provider: 
         hook(register=register)
     except Exception as error:
         raise _HookFailed(f"{hook_name} raised {type(error).__name__}: {error}") from error
+
+
+def failed_method(error: BaseException) -> str | None:
+    """One line naming the registered method whose call failed with ``error`` and the decoder layer being pruned
+    (read from the traceback: the innermost method call, the layer ``prune_model`` or the layer walk is at), or None
+    when no registered
+    method was running: a plugin that fails on a real layer is named, in ``rcpu-bench prune`` and in a matrix's
+    failed-cell line alike."""
+    method, layer = None, None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        if frame.f_code.co_name == "prune_model" and "step" in frame.f_locals:
+            layer = frame.f_locals["step"].index  # a rcpu_bench.pruning.walk.LayerStep
+        elif frame.f_code.co_name == "walk_layers":
+            layer = frame.f_locals.get("index")
+        if frame.f_code.co_name == "__call__" and isinstance(frame.f_locals.get("self"), Method):
+            method = frame.f_locals["self"]
+    where = "" if layer is None else f" on layer {layer}"
+    if isinstance(error, PluginContractError):
+        return f"{error}{where}"
+    if method is None:
+        return None
+    return f"{method.kind} {method.name!r} from {method.provider} failed{where}: {type(error).__name__}: {error}"

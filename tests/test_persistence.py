@@ -125,7 +125,8 @@ def test_interrupted_save_leaves_nothing(tmp_path):
 def test_existing_directory_needs_overwrite(tmp_path):
     first, second = pruned_tiny(rule="groups"), pruned_tiny(rule="within")
     save_pruned(first, tmp_path / "m")
-    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+    with pytest.raises(FileExistsError, match=r"already exists and is kept as it is; allowed: a new path or an empty "
+                                              r"directory \(overwrite=True replaces it\)"):
         save_pruned(second, tmp_path / "m")
     save_pruned(second, tmp_path / "m", overwrite=True)
     assert layer_geometries(load_pruned(tmp_path / "m").model) == layer_geometries(second)

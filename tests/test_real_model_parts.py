@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import shutil
 import sys
 from collections import namedtuple
 
@@ -122,9 +123,10 @@ def test_parts_that_do_not_make_the_pinned_file_leave_nothing_behind(parts, monk
 def test_too_little_free_space_is_refused_before_a_byte_is_written(parts, monkeypatch, stories_bytes):
     parts()
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(real_models.shutil, "disk_usage", lambda path: usage(10**9, 10**9, len(stories_bytes) - 1))
-    with pytest.raises(OSError, match=r"assembling stories-parts's GGUF needs [\d.]+ MiB in .* but its file system has "
-                                      r"[\d.]+ MiB free; free space there or set \$RCPU_BENCH_CACHE elsewhere"):
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, len(stories_bytes) - 1))
+    with pytest.raises(OSError, match=r"assembling stories-parts's GGUF in .* \(\$RCPU_BENCH_CACHE\) would need about "
+                                      r"[\d.,]+ [KMG]iB and .* has [\d.,]+ [KMG]iB free; allowed: a cache directory "
+                                      r"with that much free space, set by \$RCPU_BENCH_CACHE"):
         real_models.resolve(NAME)
     assert not any((real_models.cache_dir() / "gguf").iterdir())
 

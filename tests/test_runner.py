@@ -27,6 +27,7 @@ from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.matrix import executors
 from rcpu_bench.matrix.executors import ModelCache, clone_to, make_executor, run_cell
 from rcpu_bench.matrix.runner import (
+    _outcome,
     default_cell_seconds,
     estimate_seconds,
     run_matrix,
@@ -124,6 +125,9 @@ def test_failing_cells_are_recorded_with_their_traceback_the_run_goes_on_and_a_r
     for name in ("explode", "nan-weights"):
         assert entries[name].status == "failed" and entries[name].record is None
     assert exploded["type"] == "RuntimeError" and "in explode" in exploded["traceback"]
+    # the cell's line names the plugin and the layer, as prune's error does
+    assert _outcome(entries["explode"]) == ("RuntimeError: compensator 'explode' from faulty failed on layer 0: "
+                                            "RuntimeError: simulated plugin failure")
     assert nan["type"] == "PluginContractError" and "NaN" in nan["message"] and "faulty" in nan["message"]
     again = run_matrix(matrix, tmp_path, progress=False, registry=registry)
     assert (again.ok, again.failed, again.skipped) == (0, 2, 1)

@@ -3,6 +3,7 @@ computations, and the ranking tables built from them."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -14,7 +15,13 @@ from test_tables import perplexity
 
 from rcpu_bench.matrix.store import Entry, StoredResult
 from rcpu_bench.records import Perplexity
-from rcpu_bench.tables.significance import accuracy_difference, ppl_difference, ranking_tables
+from rcpu_bench.tables.significance import (
+    OLD_WINDOWS,
+    accuracy_difference,
+    ppl_difference,
+    ranking_tables,
+    unranked,
+)
 
 
 def entry(nll, targets, profile="rcpu128[0:40]") -> Perplexity:
@@ -89,10 +96,17 @@ def test_one_task_accuracy_matches_scipy_and_tasks_are_averaged():
     assert both.high - both.low > ours.high - ours.low  # the small task's noise widens the mean's interval
 
 
-def stored_run(method: str, ratio: float, nll: list[float], items: list[float] | None = None) -> StoredResult:
-    """A stored run with per-window NLL sums (64 targets each) and, optionally, per-document scores of every task."""
-    import json
+def stored_run(method: str, ratio: float, nll: list[float], items: list[float] | None = None, *,
+               windows: bool = True, profile: str = "p") -> StoredResult:
+    """A stored run with per-window NLL sums (64 targets each; ``windows=False``: only their perplexity, as records
+    written before per-window values were kept) and, optionally, per-document scores of every task."""
+    return StoredResult.from_entry(Entry.from_json(store_line(method, ratio, nll, items, windows=windows,
+                                                              profile=profile)))
 
+
+def store_line(method: str, ratio: float, nll: list[float], items: list[float] | None = None, *,
+               windows: bool = True, profile: str = "p") -> dict:
+    """:func:`stored_run`'s store entry, as records.jsonl holds it."""
     from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
     from rcpu_bench.pruning.methods import RECIPES
     from rcpu_bench.pruning.options import PruneConfig
@@ -104,16 +118,15 @@ def stored_run(method: str, ratio: float, nll: list[float], items: list[float] |
             "eval_batch_size": 8, "zeroshot_limit": None, "skip": []}
     targets = [64] * len(nll)
     record = {"experiment": {"prune": prune}, "parameters": {"before": 10, "after": 8, "removed_fraction": 0.2},
-              "perplexity": [{**perplexity("p", math.exp(sum(nll) / sum(targets))), "window_nll": nll,
-                              "window_targets": targets}],
+              "perplexity": [{**perplexity(profile, math.exp(sum(nll) / sum(targets))),
+                              **({"window_nll": nll, "window_targets": targets} if windows else {})}],
               "calibration_ppl": 2.0, "timing": {"total_seconds": 1.0, "prune_seconds": {}, "layers": []},
               "peak_memory_bytes": 1, "schema_version": 1}
     if items is not None:
         record["zeroshot"] = {"tasks": {task: {"metric": metric, metric: sum(items) / len(items), "items": items}
                                         for task, metric in METRIC_MAPS["paper"].items()}}
-    entry = {"cell_id": f"{method}-{ratio}", "status": "ok", "cell": cell, "record": json.loads(json.dumps(record)),
-             "seconds": 1.0}
-    return StoredResult.from_entry(Entry.from_json(entry))
+    return {"cell_id": f"{method}-{ratio}", "status": "ok", "cell": cell, "record": json.loads(json.dumps(record)),
+            "seconds": 1.0}
 
 
 def test_the_ranking_orders_runs_and_names_ties_against_the_run_above_and_the_best():
@@ -141,3 +154,69 @@ def test_the_zero_shot_ranking_needs_per_document_scores():
     assert [(row.label, row.cells[0]) for row in accuracy.rows] == [("Prop.Score+LS (lambda_best)", 75.0),
                                                                      ("RCPU (Rot.)", 50.0)]
     assert accuracy.rows[1].cells[2] == "worse"
+
+
+# -------------------------------------------------------------- runs a ranking cannot compare are named, not dropped
+
+def test_a_run_without_per_window_values_is_a_named_row_not_a_silent_drop():
+    """A record written before per-window values were kept (here the best run) stays in its ratio's rows, its
+    perplexity shown and the reason in its comparison cell; the others are ranked among themselves."""
+    rng = np.random.default_rng(6)
+    base = rng.normal(3.0, 0.4, 100) * 64
+    runs = [stored_run("rcpu-rot", 0.2, list(base + 32)), stored_run("ls-best", 0.2, list(base + 64)),
+            stored_run("flap", 0.2, list(base - 64), windows=False)]
+    (table,) = ranking_tables(runs, "p")
+    assert [row.label for row in table.rows] == ["RCPU (Rot.)", "Prop.Score+LS (lambda_best)", "FLAP"]
+    old = table.rows[2]
+    assert old.cells[0] == pytest.approx(math.exp((base - 64).sum() / (64 * 100)))
+    assert old.cells[1:] == ("not ranked: " + OLD_WINDOWS, "", "", "")
+    assert unranked([table]) == [f"FLAP at 20% by perplexity: {OLD_WINDOWS}"]
+
+
+def old_and_new_lines() -> list[dict]:
+    """Records as 0.1.0 wrote them (profile rcpu128, no per-window values) beside today's (a window range of it,
+    with them): what a store resumed across the upgrade holds."""
+    base = list(np.random.default_rng(7).normal(3.0, 0.4, 50) * 64)
+    old = [store_line(method, 0.3, base, windows=False, profile="rcpu128") for method in ("rcpu-rot", "flap")]
+    new = [store_line(method, 0.2, [v + shift for v in base], profile="rcpu128[0:50]")
+           for method, shift in (("rcpu-rot", 0.0), ("ls-best", 32.0))]
+    return old + new
+
+
+def old_and_new_store() -> list[StoredResult]:
+    return [StoredResult.from_entry(Entry.from_json(line)) for line in old_and_new_lines()]
+
+
+def test_the_default_profile_of_a_mixed_store_is_that_of_the_runs_with_per_window_values():
+    from rcpu_bench.tables.results import default_profile
+
+    runs = old_and_new_store()
+    assert default_profile(runs) == "rcpu128[0:50]"
+    assert default_profile(runs[:2]) == "rcpu128"  # old records only: as before
+
+
+def test_a_ranking_asked_for_that_can_compare_nothing_is_refused_naming_why():
+    from rcpu_bench.tables.tables import make_tables
+
+    runs = old_and_new_store()
+    left_out: list[str] = []
+    ranked = make_tables(runs, "ranking", profile="rcpu128[0:50]", left_out=left_out)
+    assert [row.label for row in ranked[0].rows] == ["RCPU (Rot.)", "Prop.Score+LS (lambda_best)"] and not left_out
+    with pytest.raises(ValueError, match=r"nothing to rank: none of the 2 runs with a rcpu128 perplexity .* no "
+                                         r"per-window values \(recorded before rcpu-bench kept them"):
+        make_tables(runs[:2], "ranking", profile="rcpu128")
+    everything = make_tables(runs[:2], "all", profile="rcpu128", left_out=left_out)  # the other tables stay
+    assert everything and not any(t.title.startswith("Ranking") for t in everything) and len(left_out) == 2
+
+
+def test_tables_says_on_stderr_which_runs_it_leaves_out(tmp_path, capsys):
+    from rcpu_bench.cli import main
+
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(line) + "\n" for line in old_and_new_lines()))
+    assert main(["tables", "--results", str(tmp_path), "--table", "ranking"]) == 0
+    captured = capsys.readouterr()
+    assert "| RCPU (Rot.)" in captured.out and "Ranking by perplexity (rcpu128[0:50])" in captured.out
+    assert captured.err == ("rcpu-bench: 2 runs with no perplexity under rcpu128[0:50] are left out of its perplexity "
+                            "tables (they have rcpu128; --profile shows one)\n")
+    assert main(["tables", "--results", str(tmp_path), "--table", "ranking", "--profile", "rcpu128"]) == 2
+    assert "nothing to rank" in capsys.readouterr().err

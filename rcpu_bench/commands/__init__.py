@@ -3,11 +3,11 @@ only when its subcommand runs, so ``rcpu-bench --version`` and ``rcpu-bench --he
 
 A subcommand module has ``add_arguments(parser)`` and ``run(args) -> exit code``, the latter wrapped in
 :func:`command`: bad input (a ValueError, KeyError or OSError such as FileNotFoundError, or a missing optional
-dependency) is one line ``rcpu-bench <name>: error: <message>`` on stderr and exit 2, no traceback (``--debug``
-shows it); Ctrl-C is one line and exit 130, and SIGTERM the same line and exit 143 (both unwind the command, so
-that no staging file or directory is left). Every parser refuses abbreviated options (``--eval 4`` is an error,
-not ``--eval-batch-size 4``); progress and log lines follow ``rcpu_bench.console`` (``--quiet``, timestamped
-lines when the output is not a terminal).
+dependency) is one line ``rcpu-bench <name>: error: <message>`` on stderr (control characters escaped) and exit 2,
+no traceback (``--debug`` shows it); Ctrl-C is one line and exit 130, and SIGTERM the same line and exit 143 (both
+unwind the command, so that no staging file or directory is left). Every parser refuses abbreviated options
+(``--eval 4`` is an error, not ``--eval-batch-size 4``); progress and log lines follow ``rcpu_bench.console``
+(``--quiet``, timestamped lines when the output is not a terminal).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import importlib
 import signal
 import sys
 import threading
+import unicodedata
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from rcpu_bench import __version__
 
@@ -60,11 +61,15 @@ def interrupted_code(error: KeyboardInterrupt) -> int:
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser that refuses abbreviated options; its subcommand parsers are Parsers too."""
+    """An ArgumentParser that refuses abbreviated options and says so in one line (``one_line``); its subcommand
+    parsers are Parsers too."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        super().error(one_line(message))
 
 
 class _Subcommands(argparse._SubParsersAction):
@@ -122,7 +127,7 @@ def command(*, interrupted: str = "") -> Callable[[Run], Run]:
                 if getattr(args, "debug", False):
                     raise
                 message = error.args[0] if isinstance(error, KeyError) and error.args else error
-                print(f"rcpu-bench {args.command}: error: {message}", file=sys.stderr)
+                print(f"rcpu-bench {args.command}: error: {one_line(str(message))}", file=sys.stderr)
                 return 2
             except KeyboardInterrupt as interruption:
                 # Records are appended whole and only after a run ends, so nothing torn is left.
@@ -130,6 +135,13 @@ def command(*, interrupted: str = "") -> Callable[[Run], Run]:
                 return interrupted_code(interruption)
         return mapped
     return wrap
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and other control characters escaped (a path given with a newline in it, say):
+    an error is one line whatever the input it names."""
+    return "".join(character.encode("unicode_escape").decode("ascii")
+                   if unicodedata.category(character) in ("Cc", "Zl", "Zp") else character for character in text)
 
 
 def main(argv: list[str] | None = None) -> int:

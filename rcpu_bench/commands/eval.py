@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,20 @@ def check_whole(path: Path, target: Path) -> None:
         raise write_error(target, OSError(f"lm-eval wrote it torn ({error}); is the disk full?")) from None
 
 
+@contextlib.contextmanager
+def continuations_fit(model: Any) -> Iterator[None]:
+    """lm-eval's assertion that an answer (a continuation) fits the model's context, as one line saying so."""
+    try:
+        yield
+    except AssertionError as error:
+        frames = traceback.extract_tb(error.__traceback__)
+        if not frames or "continuation_enc" not in (frames[-1].line or ""):
+            raise
+        raise ValueError(f"a document's answer is longer than the model's context "
+                         f"({model.config.max_position_embeddings} tokens), which lm-eval cannot score; allowed: a "
+                         "model whose context holds the task's answers, or fewer documents (--limit)") from None
+
+
 @command()
 def run(args: argparse.Namespace) -> int:
     """Check everything, load the model, evaluate, print the table, append the record."""
@@ -175,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                          include_path=args.include_path)
     loaded = load_saved_or_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device,
                                  registry=default_registry(), trust_remote_code=args.trust_remote_code)
-    with staged_output(args.output_path) as output_path:
+    with staged_output(args.output_path) as output_path, continuations_fit(loaded.model):
         result = run_zeroshot(loaded.model, loaded.tokenizer, plan, log_samples=args.log_samples,
                               output_path=output_path, model_name=args.model)
     result["output_path"] = args.output_path

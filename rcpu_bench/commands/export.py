@@ -54,15 +54,16 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf-outtype", default="float16", choices=DTYPES, help="type of --export-gguf's matrices")
 
 
-def check_destination(out: str, outtype: str, *, overwrite: bool, inputs: Iterable[str | None]) -> None:
+def check_destination(out: str, outtype: str, *, overwrite: bool | None, inputs: Iterable[str | None]) -> None:
     """The type and the gguf package, and the file ``out``: none of the command's ``inputs``, new unless
-    ``overwrite``, and writable (tried by creating and removing a file)."""
+    ``overwrite`` (None: the command has no ``--overwrite``), and writable (tried by creating and removing a file)."""
     check_dtype(outtype)
     require_gguf()
     check_not_input(out, inputs, "GGUF file")
-    if Path(out).exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists (pass --overwrite to replace it)")
     check_output_file(out, "GGUF file")
+    if Path(out).exists() and not overwrite:
+        also = "" if overwrite is None else ", or --overwrite to replace it"
+        raise FileExistsError(f"GGUF file {out} already exists; allowed: a new path{also}")
 
 
 def check_export(name: str, out: str, outtype: str, *, overwrite: bool = False) -> None:

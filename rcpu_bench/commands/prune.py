@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import traceback
 from functools import partial
 
 from rcpu_bench import paths
 from rcpu_bench.commands import INPUT_ERRORS, command, export
 from rcpu_bench.data import parse_calib
 from rcpu_bench.experiment import DEFAULT_CALIB, DEFAULT_PPL_PROFILES, MODEL, Experiment, add_flags, run_experiment
+from rcpu_bench.model import real_models
 from rcpu_bench.model.loading import model_source
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import check_not_input, check_output_file, default_model
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import options
-from rcpu_bench.pruning.walk import LayerStep
 from rcpu_bench.records import Record, append_record
-from rcpu_bench.registry import Method, PluginContractError
+from rcpu_bench.registry import failed_method
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +63,9 @@ def inputs(experiment: Experiment) -> list[str | None]:
     if data is None:
         with contextlib.suppress(FileNotFoundError):  # no shared fixtures: no default data directory to protect
             data = str(paths.data_dir())
-    return [model_source(experiment.model), source.removeprefix("file:") if source.startswith("file:") else None, data]
+    model = (str(real_models.model_dir(real_models.get(experiment.model))) if experiment.model in real_models.MODELS
+             else model_source(experiment.model))  # where a real model is converted to, without converting it now
+    return [model, source.removeprefix("file:") if source.startswith("file:") else None, data]
 
 
 def check_destinations(experiment: Experiment, args: argparse.Namespace) -> None:
@@ -77,32 +78,10 @@ def check_destinations(experiment: Experiment, args: argparse.Namespace) -> None
     if args.export_gguf:
         if not args.save:
             raise ValueError("--export-gguf needs --save DIR (the GGUF file is written from the saved model)")
-        export.check_destination(args.export_gguf, args.gguf_outtype, overwrite=False,
+        export.check_destination(args.export_gguf, args.gguf_outtype, overwrite=None,
                                  inputs=[*read, args.out, args.save])
         export.check_prune_export(experiment.prune, experiment.model, default_registry(), revision=args.revision,
                                   trust_remote_code=args.trust_remote_code, outtype=args.gguf_outtype)
-
-
-def method_failure(error: BaseException) -> str | None:
-    """One line naming the registered method whose call failed with ``error`` and the decoder layer being pruned
-    (read from the traceback: the innermost method call, the layer walk's step or index), or None for bad input
-    (already one line) or when no registered method was running: a plugin that fails on a real layer is reported
-    like bad input, not as a crash."""
-    if isinstance(error, INPUT_ERRORS):
-        return None
-    method, layer = None, None
-    for frame, _ in traceback.walk_tb(error.__traceback__):
-        step = frame.f_locals.get("step")
-        if isinstance(step, LayerStep) or frame.f_code.co_name == "walk_layers":
-            layer = step.index if isinstance(step, LayerStep) else frame.f_locals.get("index")
-        if frame.f_code.co_name == "__call__" and isinstance(frame.f_locals.get("self"), Method):
-            method = frame.f_locals["self"]
-    where = "" if layer is None else f" on layer {layer}"
-    if isinstance(error, PluginContractError):
-        return f"{error}{where}"
-    if method is None:
-        return None
-    return f"{method.kind} {method.name!r} from {method.provider} failed{where}: {type(error).__name__}: {error}"
 
 
 @command()
@@ -119,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                                 load=partial(load_saved_or_model, registry=default_registry()),
                                 keep_record=partial(append_record, args.out) if args.out else None)
     except Exception as error:
-        line = method_failure(error)
+        line = None if isinstance(error, INPUT_ERRORS) else failed_method(error)  # bad input: already one line
         if line is None:
             raise
         raise ValueError(line) from error

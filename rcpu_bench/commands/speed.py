@@ -13,7 +13,7 @@ from rcpu_bench import console
 from rcpu_bench.commands import command
 from rcpu_bench.commands.shared import check_models
 from rcpu_bench.declaration import positive_int
-from rcpu_bench.evaluation.speed import NEW_TOKENS, PROMPT_TOKENS, REPEATS, inference_speed
+from rcpu_bench.evaluation.speed import NEW_TOKENS, PROMPT_TOKENS, REPEATS, check_counts, inference_speed
 from rcpu_bench.evaluation.speed_llama_cpp import GGUF_DTYPE
 from rcpu_bench.experiment import MODEL, add_flags
 from rcpu_bench.export.gguf import DTYPES, check_dtype
@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     args.engine = list(dict.fromkeys(args.engine or ["transformers"]))
     if args.eval_batch_size < 1:
         raise ValueError(f"--eval-batch-size {args.eval_batch_size} is not allowed; allowed: an integer >= 1")
+    check_counts(batch_size=args.eval_batch_size, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                 repeats=args.repeats)
     check_models(names, args)
     check_engines(args)
     rows = []

@@ -18,8 +18,8 @@ from rcpu_bench.paths import check_not_input, check_output_file
 from rcpu_bench.tables.layout import TABLE_KINDS
 from rcpu_bench.tables.paper import read_paper
 from rcpu_bench.tables.render import FORMATS, render
-from rcpu_bench.tables.results import PAPER_PROFILE, default_profile
-from rcpu_bench.tables.tables import make_tables
+from rcpu_bench.tables.results import PAPER_PROFILE, default_profile, without_profile
+from rcpu_bench.tables.tables import PROFILE_TABLES, make_tables
 
 
 def add_results_options(parser: Any) -> None:
@@ -72,6 +72,18 @@ def check_out(out: str, results_dir: Path) -> None:
     check_output_file(out, "--out file")
 
 
+def note_left_out(results: Any, unranked: list[str], profile: str, table: str) -> None:
+    """Tell stderr which runs the tables leave out and why: runs without the perplexity profile shown (where a
+    perplexity table was asked for), and the ``unranked`` runs a ranking could not compare."""
+    count, profiles = without_profile(results, profile)
+    if count and table in PROFILE_TABLES:
+        print(f"rcpu-bench: {count} run{'s' * (count > 1)} with no perplexity under {profile} are left out of its "
+              f"perplexity tables (they have {', '.join(profiles)}; --profile shows one)", file=sys.stderr)
+    if unranked:
+        print(f"rcpu-bench: {len(unranked)} run{'s' * (len(unranked) > 1)} not ranked: " + "; ".join(unranked),
+              file=sys.stderr)
+
+
 @command()
 def run(args: argparse.Namespace) -> int:
     """Render the tables; skipped failed entries are counted on stderr."""
@@ -80,14 +92,17 @@ def run(args: argparse.Namespace) -> int:
         check_out(args.out, results_dir)
     stored = read_results(results_dir)
     paper = read_paper() if args.reference == "paper" else None
-    tables = make_tables(stored.results, args.table, profile=args.profile or default_profile(stored.results),
-                         metric_map=args.metric_map, paper=paper, lambda_rule=args.lambda_rule)
+    profile = args.profile or default_profile(stored.results)
+    unranked: list[str] = []
+    tables = make_tables(stored.results, args.table, profile=profile, metric_map=args.metric_map, paper=paper,
+                         lambda_rule=args.lambda_rule, left_out=unranked)
     text = render(tables, args.format)
     if args.out:
         write_file_atomically(args.out, lambda path: path.write_text(text, encoding="utf-8"))
     else:
         sys.stdout.write(text)
     stored.note_failed()
+    note_left_out(stored.results, unranked, profile, args.table)
     if not tables:
         print(f"rcpu-bench: no finished entries for table {args.table}", file=sys.stderr)
     return 0

@@ -62,11 +62,19 @@ def prefill_and_decode(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[
     return prefill, decoding
 
 
+MAX_BATCH_TOKENS = 1 << 21  # tokens of one timed batch, at most: a bound far above any speed test, below a runaway
+
+
 def check_counts(**counts: int) -> None:
-    """ValueError naming the first of ``counts`` (batch_size, prompt_tokens, ...) that is not a positive integer."""
+    """ValueError naming the first of ``counts`` (batch_size, prompt_tokens, ...) that is not a positive integer, or
+    a batch of more than ``MAX_BATCH_TOKENS`` tokens (batch_size · (prompt_tokens + new_tokens))."""
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    batch, tokens = counts.get("batch_size", 1), counts.get("prompt_tokens", 0) + counts.get("new_tokens", 0)
+    if batch * tokens > MAX_BATCH_TOKENS:
+        raise ValueError(f"batch_size={batch} × (prompt_tokens + new_tokens = {tokens}) is {batch * tokens:,} tokens "
+                         f"in one batch; allowed: at most {MAX_BATCH_TOKENS:,}")
 
 
 def rates(runs: list[tuple[float, float]], *, batch_size: int, prompt_tokens: int,

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rcpu_bench.atomic_file import write_file_atomically
+from rcpu_bench.atomic_file import check_free_space, write_file_atomically
 from rcpu_bench.export.gguf_vocab import Vocab, gguf_vocab
 from rcpu_bench.model.adapter import model_view
 from rcpu_bench.model.persistence import unique_tensors
@@ -222,6 +222,13 @@ def _write_vocab(writer: Any, vocab: Vocab) -> None:
     writer.add_add_space_prefix(vocab.add_space_prefix)
 
 
+def _vocab_bytes(vocab: Vocab) -> int:
+    """What the vocabulary and the other keys add to the file, at most: each token's text with its length, score and
+    type fields, each merge with its length, and 1 MiB for the rest."""
+    texts = sum(len(str(token).encode()) + 24 for token in vocab.tokens)
+    return texts + sum(len(str(merge).encode()) + 8 for merge in vocab.merges or ()) + 2**20
+
+
 def export_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, dtype: str = "float16",
                 name: str = "rcpu-bench pruned model", overwrite: bool = False) -> dict[str, Any]:
     """Write ``model`` (a Llama, pruned or not) and its ``tokenizer`` to the GGUF file ``path``.
@@ -234,7 +241,8 @@ def export_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, dtype: s
     gguf = require_gguf()
     target = Path(path)
     if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
+        raise FileExistsError(f"{target} already exists and is kept as it is; allowed: a new path (overwrite=True "
+                              "replaces it)")
     if tokenizer is None:
         raise ValueError("the model has no tokenizer: llama.cpp needs the vocabulary in the GGUF file")
     check_exportable(model, dtype)
@@ -260,15 +268,23 @@ def export_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, dtype: s
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(len(vocab.tokens))
     _write_vocab(writer, vocab)
+    size = 0
     for tensor_name, tensor in tensors.items():
         array, qtype = _encoded(gguf, tensor, dtype)
         writer.add_tensor(tensor_name, array, raw_dtype=qtype)
+        size += array.nbytes
+    check_free_space(target.parent, size + _vocab_bytes(vocab), f"the GGUF file {target} would",
+                     allowed="a path on a file system with that much free space")
 
     def write(staging: Path) -> None:
         try:
             writer.write_header_to_file(staging)
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
+        except OSError as error:
+            if error.errno is None:  # numpy's short write: "N requested and M written"
+                raise OSError(f"wrote less than asked ({error}): the file system is full or failed") from error
+            raise
         finally:
             writer.close()
 

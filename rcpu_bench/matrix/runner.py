@@ -18,9 +18,9 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from torch import nn
 from tqdm.auto import tqdm
 
+from rcpu_bench.experiment import Inputs
 from rcpu_bench.matrix.executors import Executor, make_executor
 from rcpu_bench.matrix.fingerprints import Fingerprints, changes, stored_fingerprint
 from rcpu_bench.matrix.phases import (
@@ -73,17 +73,16 @@ def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> No
     workers).
     """
     checked: set[str] = set()
-    skeletons: dict[tuple[str, str | None], nn.Module] = {}
+    inputs: dict[tuple[str, str | None], Inputs] = {}
     for cell in cells:
         try:
             experiment = cell.experiment()
             held_out = PruneConfig(holdout=experiment.prune.holdout)  # checked against the source per setting
             setting = json.dumps(replace(experiment, prune=held_out).to_dict(), sort_keys=True, default=str)
             if setting not in checked:
-                skeleton = experiment.check_inputs(here=here)
-                skeletons.setdefault((experiment.model, experiment.revision), skeleton)
+                inputs.setdefault((experiment.model, experiment.revision), experiment.check_inputs(here=here))
                 checked.add(setting)
-            experiment.check_budget(skeletons[experiment.model, experiment.revision], registry)
+            experiment.check_budget(inputs[experiment.model, experiment.revision], registry)
         except (ValueError, KeyError, OSError) as error:
             where = f"cell {cell.id} ({cell.describe()}, model {cell.model})"
             raise MatrixError(f"{where}: {error_message(error)}") from None

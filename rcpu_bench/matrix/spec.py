@@ -222,7 +222,7 @@ def read_matrix(name_or_file: str) -> tuple[Any, str]:
     try:
         return yaml.load(text, Loader=UniqueKeyLoader), stem
     except yaml.YAMLError as error:
-        raise MatrixError(f"matrix {name_or_file}: not valid YAML: {error}") from None
+        raise MatrixError(f"matrix {name_or_file}: not valid YAML: {yaml_problem(error)}") from None
 
 
 def parse_set(text: str) -> tuple[str, Any]:
@@ -233,7 +233,16 @@ def parse_set(text: str) -> tuple[str, Any]:
     try:
         return key, yaml.load(value, Loader=UniqueKeyLoader)
     except yaml.YAMLError as error:
-        raise MatrixError(f"--set {text!r}: the value is not valid YAML: {error}") from None
+        raise MatrixError(f"--set {text!r}: the value is not valid YAML: {yaml_problem(error)}") from None
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (line and column), without the excerpt PyYAML draws."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem:
+        mark = error.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return f"{error.problem}{where}"
+    return " ".join(str(error).split())
 
 
 def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 from rcpu_bench.matrix.cells import Cell, check_options
 from rcpu_bench.records import Record, append_record, read_records
+from rcpu_bench.registry import failed_method
 
 T = TypeVar("T")
 
@@ -59,8 +60,9 @@ log = logging.getLogger(__name__)
 
 
 def error_info(error: BaseException) -> dict[str, str]:
-    """An exception as the entry's ``error``: its type, message and formatted traceback."""
-    return {"type": type(error).__name__, "message": str(error),
+    """An exception as the entry's ``error``: its type, message (naming the registered method that raised it, where
+    one did: ``registry.failed_method``) and formatted traceback."""
+    return {"type": type(error).__name__, "message": failed_method(error) or str(error),
             "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__))}
 
 

@@ -6,6 +6,7 @@ adapter on a weightless skeleton before any weights are read.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -105,7 +106,8 @@ def model_source(name_or_path: str) -> str:
     that ``name_or_path`` means.
 
     A name that looks like a path (absolute, relative with ./ or ../, ~, or more than one "/") but does
-    not exist raises FileNotFoundError instead of being tried on the Hub.
+    not exist raises FileNotFoundError instead of being tried on the Hub, and so does a name close to a real model's
+    (``SmolLM2-135M``, ``gemma3``), naming it.
     """
     path = Path(name_or_path).expanduser()
     if path.exists():
@@ -114,7 +116,27 @@ def model_source(name_or_path: str) -> str:
         return str(real_models.resolve(name_or_path))
     if name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1 or "\\" in name_or_path:
         raise FileNotFoundError(f"model directory {name_or_path!r} does not exist")
+    close = difflib.get_close_matches(name_or_path.lower(), real_models.MODELS, n=1, cutoff=0.6)
+    if close and "/" not in name_or_path:
+        raise ValueError(f"unknown model {name_or_path!r} (did you mean the real model {close[0]!r}?); allowed: a "
+                         f"real model by name ({', '.join(real_models.MODELS)}), a model directory or a Hub id")
     return name_or_path
+
+
+def check_revision(name_or_path: str, revision: str | None) -> None:
+    """Refuse a ``revision`` for a model it cannot pin: a local directory, a saved one, or a real model by name
+    (converted from the GGUF of its pinned package): only a Hub id has revisions."""
+    if revision is None:
+        return
+    if name_or_path in real_models.MODELS:
+        model = real_models.MODELS[name_or_path]
+        what = f"the real model {name_or_path!r}, converted from the GGUF of {model.distribution} {model.version}"
+    elif Path(name_or_path).expanduser().exists():
+        what = f"the local directory {name_or_path}"
+    else:
+        return
+    raise ValueError(f"revision={revision!r} pins a commit of a Hugging Face Hub model, and {what} has none; allowed: "
+                     "no revision (the files there are what loads)")
 
 
 def check_remote_code(name: str, config_file: str | Path, trust_remote_code: bool) -> None:
@@ -187,8 +209,17 @@ def load_config(name_or_path: str, revision: str | None = None, *,
     Code shipped with the model runs only with ``trust_remote_code``; without it such a model raises ValueError
     (``check_remote_code``), never a prompt. rcpu-bench's per-layer saved format needs none.
     """
+    check_revision(name_or_path, revision)
     source = model_source(name_or_path)
-    config_file = cached_file(source, "config.json", revision=revision)
+    try:
+        config_file = cached_file(source, "config.json", revision=revision)
+    except OSError as error:
+        if Path(source).exists():
+            raise
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise OSError(f"model {name_or_path!r} is neither a local directory nor a real model known by name "
+                      f"({', '.join(real_models.MODELS)}), and the Hugging Face Hub does not give it: {reason}") \
+            from None
     if config_file is None:  # a local directory without one (transformers 5 returns None, not an error)
         raise FileNotFoundError(f"model {name_or_path} has no config.json; allowed: a model directory with its config")
     check_remote_code(name_or_path, config_file, trust_remote_code)

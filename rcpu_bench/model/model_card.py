@@ -10,6 +10,7 @@ its calibration and seed), the parameter counts, the evaluation beside the dense
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -59,10 +60,19 @@ def _hub_id(name: Any) -> bool:
     return isinstance(name, str) and name.count("/") == 1 and not name.startswith((".", "/", "~"))
 
 
+def source_name(provenance: dict[str, Any]) -> Any:
+    """The model pruned, as the card names it: a real model's name, a Hub id, or a local directory's own name (never
+    its path on the machine that pruned it); None when not recorded."""
+    source: Any = (provenance.get("real_model") or {}).get("name") or provenance.get("name_or_path")
+    if isinstance(source, str) and not _hub_id(source) and ("/" in source or "\\" in source):
+        return Path(source).name
+    return source
+
+
 def recipe_command(manifest: dict[str, Any], record: Record | None) -> str | None:
     """The ``rcpu-bench prune`` command that reproduces the model (None when neither source nor method is known)."""
     provenance, method = manifest.get("provenance") or {}, manifest.get("method") or {}
-    source = (provenance.get("real_model") or {}).get("name") or provenance.get("name_or_path")
+    source = source_name(provenance)
     if not source or not method:
         return None
     words = ["rcpu-bench", "prune", "--model", source]
@@ -98,10 +108,12 @@ def model_card(manifest: dict[str, Any], record: Record | None = None) -> str:
     not recorded."""
     provenance, method = manifest.get("provenance") or {}, manifest.get("method") or {}
     real = provenance.get("real_model") or {}
-    source = provenance.get("name_or_path", "not recorded")
+    source = source_name(provenance)
     weights = f" ({real['title']}, {real['weights']} from {real['package']} {real['package_version']})" if real else ""
+    local = " (a local directory)" if source != provenance.get("name_or_path") and not real else ""
     lines = ["---", yaml.safe_dump(front_matter(manifest), sort_keys=False).rstrip(), "---", TITLE, "",
-             f"Pruned from `{source}`{weights} by rcpu-bench {__version__}.", "", "## Recipe", ""]
+             f"Pruned from `{source or 'not recorded'}`{local}{weights} by rcpu-bench {__version__}.", "",
+             "## Recipe", ""]
     command = recipe_command(manifest, record)
     lines += [f"```bash\n{command}\n```", ""] if command else ["Not recorded (saved without a method).", ""]
     named = [("model method", "model_method"), ("scorer", "scorer"), ("compensator", "compensator"),

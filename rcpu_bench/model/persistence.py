@@ -36,13 +36,14 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from rcpu_bench.atomic_file import file_sha256, write_atomically
+from rcpu_bench.atomic_file import check_free_space, file_sha256, write_atomically
 from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import layer_geometries, model_view
 from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, write_per_layer_config
 from rcpu_bench.model.loading import (
     LoadedModel,
     check_remote_code,
+    check_revision,
     dtype_argument,
     load_config,
     load_model,
@@ -94,9 +95,12 @@ def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
     manifest = build_manifest(model, method, provenance, kind)
     json.dumps(manifest, allow_nan=False)  # a non-JSON method/provenance fails before anything is written
     card = model_card(manifest, record)
+    tensors = unique_tensors(model)
+    check_free_space(Path(directory).parent, saved_bytes(tensors, tokenizer), f"saving the model to {directory} would",
+                     allowed="a directory on a file system with that much free space")
 
     def write(staging: Path) -> None:
-        save_weights(unique_tensors(model), staging / WEIGHTS)
+        save_weights(tensors, staging / WEIGHTS)
         if kind == "per_layer":
             write_per_layer_config(config, staging)
         else:
@@ -109,6 +113,15 @@ def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokeniz
 
     write_atomically(directory, write, overwrite=overwrite)
     return manifest
+
+
+TOKEN_BYTES = 256  # room for one token in the tokenizer files, at most (Gemma-3's 262,144 tokens take 38 MB)
+
+
+def saved_bytes(tensors: dict[str, Tensor], tokenizer: Any = None) -> int:
+    """The bytes a save writes, at most: the tensors, the tokenizer's files, and 1 MiB of config, manifest and card."""
+    tokens = len(tokenizer) if hasattr(tokenizer, "__len__") else 0
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + tokens * TOKEN_BYTES + 2**20
 
 
 def save_weights(tensors: dict[str, Tensor], path: Path) -> None:
@@ -328,6 +341,7 @@ def load_saved(directory: str | os.PathLike, *, dtype: str = "float32", device: 
 def check_model_argument(name: str, revision: str | None, trust_remote_code: bool = False) -> None:
     """Reject a missing path, a saved directory that fails its checks (``check_saved_model``) or has no tokenizer,
     an unsupported model, or code shipped with the model without ``trust_remote_code``, before loading."""
+    check_revision(name, revision)
     saved = check_saved_model(name)
     if saved is None:
         _, commit = load_config(name, revision, trust_remote_code=trust_remote_code)

@@ -8,7 +8,9 @@ converts it (``convert``: the GGUF's sha256 checked against the pinned one, tran
 ``save_pretrained`` of the same class, all in a staging directory renamed into place under a file lock). The
 directory's ``rcpu_source.json`` records the package and version, the GGUF's sha256 and quantization type, and the
 sha256 of every file written; each later use checks them (once per process while the files keep their size and
-modification time) and rebuilds a cache that is partial, corrupt or from another package version.
+modification time) and rebuilds a cache that is partial, corrupt or from another package version. Before a
+conversion the cache is checked: writable (an error names ``$RCPU_BENCH_CACHE``), not a symbolic link that would
+have to be replaced, and with room for the float32 weights (their size read from the GGUF's tensor list).
 
 The weights are the GGUF's quantized values dequantized to float32 (``RealModel.weights``): close to the original
 model, not equal to it; every record, table and figure built from them says so.
@@ -22,7 +24,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
@@ -30,12 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from rcpu_bench import console
-from rcpu_bench.atomic_file import file_sha256, write_atomically, write_file_atomically
+from rcpu_bench.atomic_file import check_free_space, file_sha256, write_atomically, write_file_atomically
+from rcpu_bench.paths import check_output_dir
 
 CACHE_ENV = "RCPU_BENCH_CACHE"
 SOURCE_FILE = "rcpu_source.json"
 FORMAT, FORMAT_VERSION = "rcpu-bench-real-model", 1
 PART_BLOCK = 1 << 24  # bytes copied (and hashed) at a time when assembling parts
+TOKENIZER_BYTES = 64 * 2**20  # room for the tokenizer files beside the weights, at most (Gemma's: 33 MiB)
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +105,19 @@ def _assembled_gguf(model: RealModel, workdir: Path) -> Path:
     if importlib.util.find_spec(model.module) is None:
         raise ModuleNotFoundError(f"model {model.name} needs the package {model.package}: {model.install}")
     package = importlib.import_module(model.module)
+    target = workdir / model.gguf_file
     try:
         try:
-            return Path(package.assemble(workdir / model.gguf_file))  # an earlier assembly is checked and kept
+            return Path(package.assemble(target))  # an earlier assembly is checked and kept
         except FileExistsError:  # an earlier assembly was interrupted or corrupted
-            return Path(package.assemble(workdir / model.gguf_file, overwrite=True))
+            return Path(package.assemble(target, overwrite=True))
     except (FileNotFoundError, ModuleNotFoundError) as error:
         raise ModuleNotFoundError(f"model {model.name}: the package {model.package} is incomplete ({error}); "
                                   f"reinstall it: {model.install}") from None
+    except OSError as error:  # a full disk, say: the package writes the file in place
+        target.unlink(missing_ok=True)
+        raise OSError(f"model {model.name}: cannot assemble its GGUF in {workdir} ({_where()}): "
+                      f"{error.strerror or error}; no partial file remains") from None
 
 
 def part_path(model: RealModel, index: int) -> Path:
@@ -136,7 +144,8 @@ def assemble_parts(model: RealModel, workdir: Path) -> Path:
         return target
     paths = [part_path(model, i) for i in range(1, model.parts + 1)]
     size = sum(path.stat().st_size for path in paths)
-    check_free_space(workdir, size, f"assembling {model.name}'s GGUF")
+    check_free_space(workdir, size, f"assembling {model.name}'s GGUF in {workdir} ({_where()}) would",
+                     allowed=f"a cache directory with that much free space, set by ${CACHE_ENV}")
 
     def write(staging: Path) -> None:
         digest = hashlib.sha256()
@@ -164,18 +173,6 @@ def _blocks(paths: list[Path]) -> Iterator[bytes]:
 
 def _block_count(paths: list[Path]) -> int:
     return sum(-(-path.stat().st_size // PART_BLOCK) for path in paths)
-
-
-def check_free_space(directory: Path, needed: int, what: str) -> None:
-    """OSError naming ``directory`` and both sizes, before any work, when its file system has less than ``needed``
-    bytes free."""
-    probe = directory
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if free < needed:
-        raise OSError(f"{what} needs {needed / 2**20:,.1f} MiB in {directory} but its file system has "
-                      f"{free / 2**20:,.1f} MiB free; free space there or set ${CACHE_ENV} elsewhere")
 
 
 MODELS: dict[str, RealModel] = {m.name: m for m in (
@@ -213,6 +210,18 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("rcpu-bench"))
 
 
+def _where() -> str:
+    """What sets the cache directory, for messages."""
+    return f"${CACHE_ENV}" if os.environ.get(CACHE_ENV) else f"the user cache; ${CACHE_ENV} moves it"
+
+
+def check_cache() -> Path:
+    """The cache directory, refused in one line naming ``$RCPU_BENCH_CACHE`` unless it can be written (tried)."""
+    root = cache_dir()
+    check_output_dir(root / "models", f"the real-model cache ({_where()})")
+    return root
+
+
 def model_dir(model: RealModel) -> Path:
     """Where ``model``'s converted directory lives."""
     return cache_dir() / "models" / model.name
@@ -236,7 +245,7 @@ def _package_version(package: str) -> str | None:
 def gguf_path(model: RealModel) -> Path:
     """The original GGUF file (checked against the pinned sha256): inside the package, or assembled into the cache."""
     check_installed(model)
-    workdir = cache_dir() / "gguf"
+    workdir = check_cache() / "gguf"
     workdir.mkdir(parents=True, exist_ok=True)
     path = _LOCATE[model.name](model, workdir)
     if not path.is_file():
@@ -318,9 +327,15 @@ def resolve(name: str) -> Path:
     """The converted directory of the real model ``name``, converting it first when the cache lacks a usable one."""
     model = get(name)
     directory = model_dir(model)
-    if cache_problem(model, directory) is None:
+    problem = cache_problem(model, directory)
+    if problem is None:
         return directory
     check_installed(model)
+    if directory.is_symlink():
+        raise ValueError(f"the converted {model.name} at {directory} is a symbolic link to {os.readlink(directory)} "
+                         f"that cannot be used ({problem}), and a conversion does not replace a link; allowed: a link "
+                         "to a converted directory, or no link (remove it: the next use converts in its place)")
+    check_cache()
     from filelock import FileLock
 
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -338,9 +353,12 @@ def convert(model: RealModel, directory: Path) -> None:
     is there): config, ``model.safetensors``, tokenizer, and ``rcpu_source.json`` with every file's sha256.
 
     transformers shows its progress (dequantizing, writing) as the console's switches say."""
+    gguf = gguf_path(model)
+    check_free_space(directory.parent, float32_bytes(gguf) + TOKENIZER_BYTES,
+                     f"converting {model.name} to float32 in {directory} ({_where()}) would",
+                     allowed=f"a cache directory with that much free space, set by ${CACHE_ENV}")
     console.info(f"converting {model.name} ({model.distribution} {model.version}, {model.quantization} GGUF) to "
                  f"float32 in {directory}, once")
-    gguf = gguf_path(model)
 
     def write(staging: Path) -> None:
         _dequantize(gguf, staging, name=model.name)
@@ -352,6 +370,13 @@ def convert(model: RealModel, directory: Path) -> None:
         (staging / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
 
     write_atomically(directory, write, overwrite=True)
+
+
+def float32_bytes(gguf: Path) -> int:
+    """The bytes of the GGUF's tensors in float32 (``gguf``'s reader: the tensor list, no tensor is read)."""
+    from gguf import GGUFReader
+
+    return 4 * sum(int(tensor.n_elements) for tensor in GGUFReader(gguf).tensors)
 
 
 def _dequantize(gguf: Path, directory: Path, *, name: str) -> None:
@@ -371,7 +396,12 @@ def _dequantize(gguf: Path, directory: Path, *, name: str) -> None:
     model.load_state_dict(quantized.state_dict(), assign=True)
     model.tie_weights()
     del quantized
-    model.save_pretrained(directory)
+    from safetensors import SafetensorError
+
+    try:
+        model.save_pretrained(directory)
+    except SafetensorError as error:  # a full disk: an OSError like Python's own writes
+        raise OSError(str(error)) from error
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.init_kwargs.pop("local_files_only", None)  # set under HF_HUB_OFFLINE: the files would depend on it
     tokenizer.save_pretrained(directory)

@@ -34,6 +34,10 @@ divergence between the dense and the candidate model's next-token distributions.
    as in Týr's code (2K, 16K, 128K tokens). The record keeps the parent's fitness on all the held-out windows,
    at the start and after each generation.
 
+Cost. Before any work, on the model's shapes (:meth:`Search.check`, before the model loads and again on it), the
+tokens the search scores are bounded by ``max_scored_tokens`` and its cache's size by the free space there; the
+cache is a hidden directory that a later search removes once its process is gone (``rcpu_bench.pruning.search_cache``).
+
 The model is handed back dense. With ``statistics='one-shot'`` the pipeline's pruning at the chosen counts is the
 best candidate itself; with ``'sequential'`` (the default) it prunes each layer from the pruned layers' outputs.
 Týr's iterated prune-and-search with coarse-to-fine steps and its expectation error accumulation are not
@@ -42,7 +46,6 @@ reproduced: one grid is searched once.
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import shutil
@@ -53,15 +56,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor, nn
-from torch.nn import functional as F
+from torch import Tensor
 
 from rcpu_bench import console
 from rcpu_bench.model.adapter import decoder_layers, layer_view
-from rcpu_bench.model.views import LayerView
+from rcpu_bench.model.views import MODULES, LayerView
 from rcpu_bench.pruning.allocation import units_to_prune
-from rcpu_bench.selection.select import Selection
+from rcpu_bench.pruning.search_cache import (
+    MAX_SCORED_TOKENS,
+    Fitness,
+    Supernet,
+    cache_directory,
+    check_cache,
+    check_cost,
+    linears,
+    published,
+    scored_tokens,
+)
 
 if TYPE_CHECKING:
     from rcpu_bench.pruning.allocation_pass import AllocationTask
@@ -204,128 +215,6 @@ def select_parent(parent: Genome, parent_fitness: float, children: list[Genome],
     return children[0], fitness[0]
 
 
-class Supernet:
-    """Every slot's candidates and dense weights in a cache directory, and the model assembled from them in place."""
-
-    def __init__(self, directory: Path, views: list[LayerView], grid: list[Slot], gqa_rule: str):
-        self.directory, self.views, self.grid, self.gqa_rule = directory, views, grid, gqa_rule
-        self.applied: list[int | None] = [None] * len(grid)  # the level in place per slot; None: dense
-
-    def build(self, task: AllocationTask) -> None:
-        """Write each slot's dense producers and consumer and the candidate of each of its levels (module
-        docstring, 3), from one dense pass."""
-        (self.directory / "candidates").mkdir()
-        (self.directory / "dense").mkdir()
-        layers = task.dense_layers()
-        for index, view, stats in console.progress(layers, desc="search: candidates", total=len(self.views),
-                                                   unit="layer", enabled=task.progress):
-            for i, slot in enumerate(self.grid):
-                if slot.layer != index:
-                    continue
-                torch.save(_state(_linears(view, slot.module)), self._dense(i))
-                for level, count in slot.counts.items():
-                    candidate = _candidate(task, view, slot.module, stats[slot.module], count)
-                    torch.save(candidate, self._candidate(i, level))
-
-    def assemble(self, genome: Genome) -> None:
-        """Mask the model into the choice ``genome``, changing only the slots whose level differs."""
-        for i, level in enumerate(genome):
-            if self.applied[i] != level:
-                self._restore(i)
-                self._mask(i, level)
-
-    def restore(self) -> None:
-        """Hand the model back dense."""
-        for i in range(len(self.grid)):
-            self._restore(i)
-
-    def _dense(self, i: int) -> Path:
-        return self.directory / "dense" / f"{self.grid[i].layer}-{self.grid[i].module}.pt"
-
-    def _candidate(self, i: int, level: int) -> Path:
-        return self.directory / "candidates" / f"{self.grid[i].layer}-{self.grid[i].module}-{level}.pt"
-
-    def _restore(self, i: int) -> None:
-        if self.applied[i] is None:
-            return
-        view = self.views[self.grid[i].layer]
-        _load_state(_linears(view, self.grid[i].module), torch.load(self._dense(i)))
-        self.applied[i] = None
-
-    def _mask(self, i: int, level: int) -> None:
-        """Apply a candidate to the dense slot, same-shape: ``LayerView.apply(physical=False)``."""
-        slot, view = self.grid[i], self.views[self.grid[i].layer]
-        device = view.projection(slot.module).weight.device
-        candidate = torch.load(self._candidate(i, level), map_location=device)
-        mapping = view.units(slot.module, self.gqa_rule)
-        kept = torch.ones(view.n_units(slot.module, self.gqa_rule), dtype=torch.bool)
-        kept[candidate["pruned"].cpu()] = False
-        units = Selection(kept.nonzero().flatten(), (~kept).nonzero().flatten())
-        view.apply(slot.module, units.columns(mapping.unit_size), candidate["weight"], candidate["bias"],
-                   physical=False)
-        self.applied[i] = level
-
-
-def _linears(view: LayerView, module: str) -> tuple[nn.Linear, ...]:
-    """The linears that pruning a module changes: its producers and its consumer."""
-    return (*view.producers(module), view.projection(module))
-
-
-def _state(linears: Sequence[nn.Linear]) -> list[tuple[Tensor, Tensor | None]]:
-    return [(linear.weight.detach().cpu(), None if linear.bias is None else linear.bias.detach().cpu())
-            for linear in linears]
-
-
-def _load_state(linears: Sequence[nn.Linear], state: list[tuple[Tensor, Tensor | None]]) -> None:
-    for linear, (weight, bias) in zip(linears, state, strict=True):
-        device, dtype, grad = linear.weight.device, linear.weight.dtype, linear.weight.requires_grad
-        linear.weight = nn.Parameter(weight.to(device, dtype), requires_grad=grad)
-        # torch types Linear.bias as a Parameter, but a Linear built with bias=False holds None
-        new_bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=grad)
-        linear.bias = new_bias  # type: ignore[assignment]
-
-
-def _candidate(task: AllocationTask, view: LayerView, module: str, stats: Any, count: int) -> dict[str, Tensor | None]:
-    """One level of one slot: a copy of the layer pruned by the run's methods, kept as its pruned units, W̃_K (d_out ×
-    |K|, kept order) and the consumer's bias."""
-    pruned = layer_view(copy.deepcopy(view.layer))
-    report = task.prune(pruned, module, stats, count)
-    consumer = pruned.projection(module)
-    return {"pruned": torch.tensor(report["pruned_units"], dtype=torch.long), "weight": consumer.weight.detach().cpu(),
-            "bias": None if consumer.bias is None else consumer.bias.detach().cpu()}
-
-
-class Fitness:
-    """KL(p_dense ‖ p) of the model as it stands on chosen held-out windows (module docstring, 4), the dense
-    log-probabilities written once, one file per window."""
-
-    def __init__(self, model: nn.Module, windows: Tensor, directory: Path, batch_size: int):
-        self.model, self.windows, self.directory, self.batch_size = model, windows, directory, batch_size
-        directory.mkdir()
-        for start in range(0, len(windows), batch_size):
-            for offset, log_p in enumerate(self._log_probs(windows[start : start + batch_size])):
-                # a copy: a view saves its whole storage, here the batch's (B× the window's bytes on the CPU)
-                torch.save(log_p.to("cpu", copy=True), self._target(start + offset))
-
-    def __call__(self, chosen: list[int]) -> float:
-        total, positions = 0.0, 0
-        for start in range(0, len(chosen), self.batch_size):
-            batch = chosen[start : start + self.batch_size]
-            log_p = self._log_probs(self.windows[batch])  # (B, T, V)
-            dense = torch.stack([torch.load(self._target(w), map_location=log_p.device) for w in batch])
-            total += float(F.kl_div(log_p, dense, log_target=True, reduction="sum").double())
-            positions += log_p.shape[0] * log_p.shape[1]
-        return total / positions
-
-    def _target(self, window: int) -> Path:
-        return self.directory / f"{window}.pt"
-
-    @torch.no_grad()
-    def _log_probs(self, ids: Tensor) -> Tensor:
-        device = next(self.model.parameters()).device
-        return self.model(input_ids=ids.to(device), use_cache=False).logits.float().log_softmax(-1)
-
-
 @dataclass(frozen=True)
 class Search:
     """The searched allocation with its parameters (:func:`search`), run on a model by the pipeline."""
@@ -341,32 +230,49 @@ class Search:
     seed: int
     cache: str | None
     keep: bool
+    max_scored_tokens: int | None = MAX_SCORED_TOKENS
+
+    def check(self, model: Any, config: PruneConfig, seqlen: int) -> int:
+        """Refuse, before any work, what the model's shapes (``model`` may be weightless) decide: unsupported
+        options, a grid that cannot meet the budget, a cost above ``max_scored_tokens``, a cache directory that
+        cannot be written or lacks the space; returns the held-out windows the search draws."""
+        _check_run(config)
+        views = [layer_view(layer) for layer in decoder_layers(model)]
+        grid = slots(views, [m for m in MODULES if m in config.prune], config, self.levels, self.step)
+        self._start(grid, config)
+        plan = self._plan(seqlen)
+        check_cost(plan, seqlen, self.population, self.generations, self.max_scored_tokens,
+                   f"generations={self.generations}, population={self.population}, tokens={self.tokens}, "
+                   f"stages={self.stages}, growth={self.growth}")
+        check_cache(self._cache_root(), [(linears(views[slot.layer], slot.module),
+                                          views[slot.layer].units(slot.module).unit_size, list(slot.counts.values()))
+                                         for slot in grid], plan[-1][0], seqlen,
+                    model.get_output_embeddings().weight.shape[0])
+        return plan[-1][0]
 
     def __call__(self, task: AllocationTask) -> tuple[list[dict[str, int]], dict[str, Any]]:
         """Units per layer and module of the fittest choice, and the search's record (module docstring)."""
         config = task.config
-        _check_run(config)
+        seqlen = task.calib_ids.shape[1]
+        n_windows = self.check(task.model, config, seqlen)
         views = [layer_view(layer) for layer in decoder_layers(task.model)]
         grid = slots(views, task.modules, config, self.levels, self.step)
-        budget = sum(slot.uniform * slot.cost for slot in grid)  # the uniform allocation's (level 0)
-        start = witness(grid, budget)
-        if start is None:
-            raise ValueError(f"allocation 'search' levels={list(self.levels)} with step={self.step}: no choice of one "
-                             f"level per layer and module removes the {budget:,} parameters of the uniform allocation "
-                             f"at ratio {config.ratio}; allowed: levels that can balance out, e.g. ones including 0")
-        plan = stage_plan(self.population, self.stages, self.growth, self.tokens, task.calib_ids.shape[1])
-        windows = task.holdout(plan[-1][0])
-        if self.cache is not None:
-            Path(self.cache).mkdir(parents=True, exist_ok=True)
-        directory = Path(tempfile.mkdtemp(prefix="search-", dir=self.cache))
+        budget, start = self._start(grid, config)
+        plan = self._plan(seqlen)
+        console.info(f"search: about {scored_tokens(plan, self.population, self.generations, seqlen):,} tokens to "
+                     f"score; candidates in {self._cache_root()}")
+        windows = task.holdout(n_windows)
+        directory = cache_directory(self._cache_root(), self.cache)
         supernet = Supernet(directory, views, grid, config.gqa_rule)
         try:
             best, curve, seconds = self._run(task, supernet, start, windows, plan)
-            cache_bytes = sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+            written = sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
         finally:
             supernet.restore()
             if not self.keep:
-                shutil.rmtree(directory)
+                shutil.rmtree(directory, ignore_errors=True)
+        if self.keep:
+            directory = published(directory)
         counts = by_layer(grid, [slot.counts[level] for slot, level in zip(grid, best, strict=True)], len(views))
         return counts, {
             "method": "search", "levels": list(self.levels), "step": self.step, "seed": self.seed,
@@ -375,7 +281,23 @@ class Search:
             "budget_parameters": budget, "removed_parameters": removed(grid, best), "fitness": curve,
             "chosen_levels": by_layer(grid, list(best), len(views)),
             "heldout_windows": len(windows), "cache": str(directory) if self.keep else None,
-            "cache_bytes": cache_bytes, "seconds": seconds}
+            "cache_bytes": written, "seconds": seconds}
+
+    def _start(self, grid: list[Slot], config: PruneConfig) -> tuple[int, Genome]:
+        """The budget (the uniform allocation's, level 0) and the first parent, a choice that meets it."""
+        budget = sum(slot.uniform * slot.cost for slot in grid)
+        start = witness(grid, budget)
+        if start is None:
+            raise ValueError(f"allocation 'search' levels={list(self.levels)} with step={self.step}: no choice of one "
+                             f"level per layer and module removes the {budget:,} parameters of the uniform allocation "
+                             f"at ratio {config.ratio}; allowed: levels that can balance out, e.g. ones including 0")
+        return budget, start
+
+    def _plan(self, seqlen: int) -> list[tuple[int, int]]:
+        return stage_plan(self.population, self.stages, self.growth, self.tokens, seqlen)
+
+    def _cache_root(self) -> Path:
+        return Path(self.cache) if self.cache is not None else Path(tempfile.gettempdir())
 
     def _run(self, task: AllocationTask, supernet: Supernet, start: Genome, windows: Tensor,
              plan: list[tuple[int, int]]) -> tuple[Genome, list[float], dict[str, float]]:
@@ -411,14 +333,16 @@ def _check_run(config: PruneConfig) -> None:
 
 def search(n_layers: int, ratio: float, /, *, levels: Sequence[int] = (-2, -1, 0, 1, 2), step: float = 0.05,
            population: int = 16, generations: int = 10, shifts: int = 4, tokens: int = 256, stages: int = 3,
-           growth: int = 4, seed: int = 0, cache: str | None = None, keep: bool = False) -> Search:
+           growth: int = 4, seed: int = 0, cache: str | None = None, keep: bool = False,
+           max_scored_tokens: int | None = MAX_SCORED_TOKENS) -> Search:
     """Týr-the-Pruner's searched allocation (module docstring), its parameters checked.
 
     ``levels`` and ``step``: the grid, level k pruning the uniform count plus k·round(step·n) of a module's n units;
     ``population`` offspring per generation over ``generations``, each with up to ``shifts`` sparsity shifts;
     ``stages`` selection steps per generation on ``tokens``·growthⁱ held-out tokens; ``seed`` of the mutations and
     of the windows drawn; ``cache`` the directory under which the candidates are written (default: the system's
-    temporary directory), removed when done unless ``keep``.
+    temporary directory), removed when done unless ``keep``; ``max_scored_tokens`` the bound on the tokens scored
+    (:func:`scored_tokens`; None: no bound), checked with the cache's free space before any work (:meth:`Search.check`).
     """
     if (not isinstance(levels, (list, tuple)) or not levels or len(set(levels)) != len(levels)
             or not all(isinstance(k, int) and not isinstance(k, bool) for k in levels)):
@@ -432,4 +356,9 @@ def search(n_layers: int, ratio: float, /, *, levels: Sequence[int] = (-2, -1, 0
     if not (cache is None or isinstance(cache, str) and cache) or not isinstance(keep, bool):
         raise ValueError(f"search cache={cache!r}, keep={keep!r}; allowed: cache a directory path or None, keep true "
                          "or false")
-    return Search(tuple(levels), step, population, generations, shifts, tokens, stages, growth, seed, cache, keep)
+    if max_scored_tokens is not None and (not isinstance(max_scored_tokens, int) or isinstance(max_scored_tokens, bool)
+                                          or max_scored_tokens < 1):
+        raise ValueError(f"search max_scored_tokens={max_scored_tokens!r}: not a bound; allowed: an integer >= 1, or "
+                         "None for no bound")
+    return Search(tuple(levels), step, population, generations, shifts, tokens, stages, growth, seed, cache, keep,
+                  max_scored_tokens)

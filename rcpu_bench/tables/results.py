@@ -178,12 +178,22 @@ def _profiles(results: Sequence[StoredResult]) -> list[str]:
 
 def default_profile(results: Sequence[StoredResult]) -> str:
     """The profile shown unless one is asked for: the paper's (rcpu128) when a result has it, else the store's one
-    window range of it (``rcpu128[START:STOP]``, the smoke matrix's subset), else the first profile recorded."""
-    found = _profiles(results)
+    window range of it (``rcpu128[START:STOP]``, the smoke matrix's subset), else the first profile recorded. Where
+    some results have per-window values (written since they were kept), only their profiles count: a store mixing
+    today's records with older ones shows today's profile."""
+    windowed = [p.profile for result in results for p in result.record.perplexity if p.window_nll is not None]
+    found = list(dict.fromkeys(windowed)) or _profiles(results)
     if not found or PAPER_PROFILE in found:
         return PAPER_PROFILE
     subsets = [name for name in found if name.startswith(f"{PAPER_PROFILE}[")]
     return subsets[0] if len(subsets) == 1 else found[0]
+
+
+def without_profile(results: Sequence[StoredResult], profile: str) -> tuple[int, list[str]]:
+    """How many results with perplexities have none under ``profile``, and the profiles they have instead."""
+    others = [result for result in results
+              if result.record.perplexity and all(p.profile != profile for p in result.record.perplexity)]
+    return len(others), _profiles(others)
 
 
 def check_profile(results: Sequence[StoredResult], profile: str) -> None:

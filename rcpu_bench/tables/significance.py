@@ -140,11 +140,18 @@ def _ranking_rows(ranked: list[Ranked], ratio: float, compare: Any, decimals: in
     return rows
 
 
+UNRANKED = "not ranked: "  # the text of a run's comparison cell when it cannot be compared
+OLD_WINDOWS = "no per-window values (recorded before rcpu-bench kept them; run the cell again)"
+OLD_ITEMS = "no per-document scores (recorded before rcpu-bench kept them; run the cell again)"
+
+
 def ranking_tables(results: Sequence[StoredResult], profile: str, *, metric_map: str = "paper",
                    lambda_rule: str = DEFAULT_LAMBDA_RULE) -> list[Table]:
     """Per (model, N_calib): the runs of each ratio ranked by perplexity under ``profile``, and by mean zero-shot
     accuracy where they have per-document scores, each beside its paired bootstrap difference to the run ranked
-    just above it and to the best (module docstring). The dense model is left out; ties are named."""
+    just above it and to the best (module docstring). The dense model is left out; ties are named. A run that has
+    the measurement but cannot be compared (no per-window values or per-document scores: recorded before they were
+    kept) is a row below the ranked ones, its value shown and the reason in its comparison cell."""
     grid = cell_grid(results, any_row, lambda_rule)
     by_slot: dict[Slot, dict[float, list[tuple[str, Record]]]] = {}
     for (slot, (label, ratio)), chosen in grid.items():
@@ -154,15 +161,18 @@ def ranking_tables(results: Sequence[StoredResult], profile: str, *, metric_map:
     for (model, n_calib), ratios in sorted(by_slot.items()):
         ppl_rows, accuracy_rows = [], []
         for ratio, runs in sorted(ratios.items()):
-            entries = [(label, next((p for p in record.perplexity if p.profile == profile), None))
-                       for label, record in runs]
-            ppl_rows += _ranking_rows([Ranked(label, entry.ppl, entry) for label, entry in entries
-                                       if entry is not None and entry.window_nll is not None],
-                                      ratio, ppl_difference, 2, lower=True)
-            items = [(label, task_items(record, metric_map)) for label, record in runs]
+            ppl = [(label, entry) for label, record in runs
+                   if (entry := next((p for p in record.perplexity if p.profile == profile), None)) is not None]
+            ppl_rows += _ranking_rows([Ranked(label, entry.ppl, entry) for label, entry in ppl
+                                       if entry.window_nll is not None], ratio, ppl_difference, 2, lower=True)
+            ppl_rows += [_unranked(label, ratio, entry.ppl, OLD_WINDOWS) for label, entry in ppl
+                         if entry.window_nll is None]
+            scored = [(label, record, task_items(record, metric_map)) for label, record in runs]
             accuracy_rows += _ranking_rows(
-                [Ranked(label, 100 * float(np.mean([np.mean(v) for v in found.values()])), found)
-                 for label, found in items if found is not None], ratio, accuracy_difference, 2, lower=False)
+                [Ranked(label, _mean_accuracy(found), found) for label, _, found in scored if found is not None],
+                ratio, accuracy_difference, 2, lower=False)
+            accuracy_rows += [_unranked(label, ratio, None, reason) for label, record, found in scored
+                              if found is None and (reason := _items_missing(record, metric_map))]
         where = f"{model}, N_calib={n_calib}"
         tables.append(Table(f"Ranking by perplexity ({profile}), {where}: paired bootstrap over windows "
                             f"({RESAMPLES} resamples); 'tie': the 95% CI of the difference holds 0",
@@ -171,6 +181,37 @@ def ranking_tables(results: Sequence[StoredResult], profile: str, *, metric_map:
                             f"paired bootstrap over documents ({RESAMPLES} resamples); 'tie': the 95% CI holds 0",
                             _columns("mean acc."), tuple(accuracy_rows)))
     return [table for table in tables if table.rows]
+
+
+def _mean_accuracy(items: Mapping[str, Sequence[float]]) -> float:
+    return 100 * float(np.mean([np.mean(values) for values in items.values()]))
+
+
+def _unranked(label: str, ratio: float, value: float | None, reason: str) -> Row:
+    return Row(label, ratio, (value, UNRANKED + reason, "", "", ""))
+
+
+def _items_missing(record: Record, metric_map: str) -> str | None:
+    """Why a run with zero-shot scores has no per-document scores of ``metric_map``'s tasks (None: no zero-shot)."""
+    scores = task_scores(record)
+    if not scores:
+        return None
+    for task, metric in METRIC_MAPS[metric_map].items():
+        summary = scores.get(task, {})
+        if not summary:
+            return f"no {task} accuracy"
+        if summary.get("metric") != metric:
+            return f"{task} scored by {summary.get('metric')}, not {metric} (metric map {metric_map})"
+    return OLD_ITEMS
+
+
+def unranked(tables: Sequence[Table]) -> list[str]:
+    """Each unranked run of ranking ``tables`` (any others are skipped): its label, ratio, what it is not ranked by,
+    and why."""
+    return [f"{row.label} at {row.ratio:.0%} by {table.title.split(' (')[0].removeprefix('Ranking by ')}: "
+            f"{row.cells[1][len(UNRANKED):]}"
+            for table in tables for row in table.rows
+            if len(row.cells) > 1 and isinstance(row.cells[1], str) and row.cells[1].startswith(UNRANKED)]
 
 
 def _columns(value: str) -> tuple[Column, ...]:
