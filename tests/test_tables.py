@@ -26,7 +26,7 @@ from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.timing import PHASES
 from rcpu_bench.tables import results as values
-from rcpu_bench.tables.layout import spec
+from rcpu_bench.tables.layout import selected, spec
 from rcpu_bench.tables.paper import PaperNumbers, mark_disagreements, paper_table, read_paper
 from rcpu_bench.tables.render import latex_power_of_ten, render
 from rcpu_bench.tables.table import rank_marks, table_marks
@@ -585,8 +585,8 @@ def test_csv_has_raw_numbers_and_no_marks():
 @pytest.mark.parametrize("call, message", [
     (lambda: render([], "html"), "'html'; allowed: md, latex, csv"),
     (lambda: spec("accuracy"),
-     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, ranking, generalisation, "
-     "main-effects, all"),
+     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, ranking, ranking-ppl, "
+     "generalisation, main-effects, all"),
     (lambda: tables_of(ppl_entries(), lambda_rule="median"), "'median'; allowed: paper, holdout"),
 ])
 def test_bad_names_are_reported_with_the_allowed_ones(call, message):
@@ -675,3 +675,15 @@ def test_a_ratio_that_removes_no_head_is_in_the_record_and_marked_on_its_row():
         entries.append(stored_entry)
     (table,) = tables_of(entries, "ppl")
     assert [row[0] for row in grid(table)] == ["WANDA-sp [MLP channels only: the ratio removes no head]", "WANDA-sp"]
+
+
+def test_a_row_filter_keeps_the_rows_it_matches_and_a_ranking_compares_them_alone():
+    entries = [entry("rcpu-rot", 0.1, 13.0), entry("wanda-sp", 0.1, 14.0), entry("flap", 0.1, 15.0),
+               entry("rcpu-rot", 0.2, 16.0), entry("original", 0.0, 12.0)]
+    results = stored(entries)
+    kept = selected(results, r"RCPU \(Rot\.\)|FLAP", (0.1,))
+    assert sorted((r.ratio, r.cell.method) for r in kept) == [(0.1, "flap"), (0.1, "rcpu-rot")]
+    assert [(r.cell.method, r.ratio) for r in selected(results, "Original")] == [("original", 0.0)]
+    assert selected(results, "RCPU") == []  # the whole label must match
+    (table,) = make_tables(kept, "ppl")
+    assert [row[:2] for row in grid(table)] == [("FLAP", 0.1), ("RCPU (Rot.)", 0.1)]

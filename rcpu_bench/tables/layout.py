@@ -9,6 +9,7 @@ table holds both), and RCPU (Rot.) runs compensating fewer modules to the ablati
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,7 +44,8 @@ ABLATION_LABELS = {
 }
 ROW_ORDER = [recipe.label for recipe in RECIPES.values()] + list(ABLATION_LABELS.values())
 TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency", "ranking",
-               "generalisation", "main-effects")
+               "ranking-ppl", "generalisation", "main-effects")
+RANKINGS = ("ranking", "ranking-ppl")  # by perplexity and mean zero-shot accuracy, or by perplexity alone
 
 Slot = tuple[str, int]  # (model label, N_calib): one column group, or one table of a per-slot kind
 RowKey = tuple[str, float]  # (row label, pruning ratio)
@@ -132,6 +134,18 @@ def ablation_row(result: StoredResult) -> str | None:
     if label_of(prune) != ROT or set(prune["prune"]) != BOTH_MODULES:
         return None
     return ABLATION_LABELS[frozenset(prune["compensate"])]
+
+
+def selected(results: Sequence[StoredResult], rows: str | None = None,
+             ratios: Sequence[float] | None = None) -> list[StoredResult]:
+    """The runs whose row label fully matches the regular expression ``rows`` (their label in a main, "other" or
+    ablation table, marks included) and whose ratio is one of ``ratios`` (None: any): the tables are then built from
+    them alone, so a ranking compares the rows shown."""
+    pattern = None if rows is None else re.compile(rows)
+    return [result for result in results
+            if (ratios is None or result.ratio in ratios)
+            and (pattern is None or any(label is not None and pattern.fullmatch(label)
+                                        for label in (any_row(result), ablation_row(result))))]
 
 
 def row_order(row: RowKey) -> tuple[float, int, str]:

@@ -146,12 +146,12 @@ OLD_ITEMS = "no per-document scores (recorded before rcpu-bench kept them; run t
 
 
 def ranking_tables(results: Sequence[StoredResult], profile: str, *, metric_map: str = "paper",
-                   lambda_rule: str = DEFAULT_LAMBDA_RULE) -> list[Table]:
-    """Per (model, N_calib): the runs of each ratio ranked by perplexity under ``profile``, and by mean zero-shot
-    accuracy where they have per-document scores, each beside its paired bootstrap difference to the run ranked
-    just above it and to the best (module docstring). The dense model is left out; ties are named. A run that has
-    the measurement but cannot be compared (no per-window values or per-document scores: recorded before they were
-    kept) is a row below the ranked ones, its value shown and the reason in its comparison cell."""
+                   lambda_rule: str = DEFAULT_LAMBDA_RULE, accuracy: bool = True) -> list[Table]:
+    """Per (model, N_calib): the runs of each ratio ranked by perplexity under ``profile``, and (``accuracy``) by
+    mean zero-shot accuracy where they have per-document scores, each beside its paired bootstrap difference to the
+    run ranked just above it and to the best (module docstring). The dense model is left out; ties are named. A run
+    that has the measurement but cannot be compared (no per-window values or per-document scores: recorded before
+    they were kept) is a row below the ranked ones, its value shown and the reason in its comparison cell."""
     grid = cell_grid(results, any_row, lambda_rule)
     by_slot: dict[Slot, dict[float, list[tuple[str, Record]]]] = {}
     for (slot, (label, ratio)), chosen in grid.items():
@@ -177,9 +177,10 @@ def ranking_tables(results: Sequence[StoredResult], profile: str, *, metric_map:
         tables.append(Table(f"Ranking by perplexity ({profile}), {where}: paired bootstrap over windows "
                             f"({RESAMPLES} resamples); 'tie': the 95% CI of the difference holds 0",
                             _columns("ppl"), tuple(ppl_rows)))
-        tables.append(Table(f"Ranking by mean zero-shot accuracy (%, metric map {metric_map}), {where}: stratified "
-                            f"paired bootstrap over documents ({RESAMPLES} resamples); 'tie': the 95% CI holds 0",
-                            _columns("mean acc."), tuple(accuracy_rows)))
+        if accuracy:
+            tables.append(Table(f"Ranking by mean zero-shot accuracy (%, metric map {metric_map}), {where}: "
+                                f"stratified paired bootstrap over documents ({RESAMPLES} resamples); 'tie': the 95% "
+                                "CI holds 0", _columns("mean acc."), tuple(accuracy_rows)))
     return [table for table in tables if table.rows]
 
 
