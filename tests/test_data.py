@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tiny_models import STORIES, TINYSTORIES, WIKI_TEST
 from transformers import AutoTokenizer
 
-from rcpu_bench import data, paths
+from rcpu_bench import corpora, data, paths
 from rcpu_bench.data import CalibSpec, calibration_data, holdout_windows, parse_calib
 
 needs_shared = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared fixtures not found (set {paths.SHARED_ENV})")
@@ -195,8 +195,8 @@ def test_wikitext_rows_are_rebuilt_and_joined_as_the_reference(tmp_path):
     train = write_wikitext(tmp_path, "train", lines)
     write_wikitext(tmp_path / "t", "test", lines)
     # datasets yields the rows "", " = Title = \n", "", " Body text . \n"
-    assert data.wikitext2_text(tmp_path, "train").documents == ("  = Title = \n   Body text . \n",)
-    assert data.wikitext2_text(tmp_path / "t", "test").documents == ("\n\n = Title = \n\n\n\n\n Body text . \n",)
+    assert corpora.wikitext2_text(tmp_path, "train").documents == ("  = Title = \n   Body text . \n",)
+    assert corpora.wikitext2_text(tmp_path / "t", "test").documents == ("\n\n = Title = \n\n\n\n\n Body text . \n",)
     source = data.load_source("wikitext2", tmp_path)
     assert (source.source, source.split, source.origin) == ("wikitext2", "train", str(train))
     assert source.sha256 == hashlib.sha256(train.read_bytes()).hexdigest()
@@ -204,7 +204,7 @@ def test_wikitext_rows_are_rebuilt_and_joined_as_the_reference(tmp_path):
 
 @needs_shared
 def test_shared_wikitext_test_file_is_the_canonical_one():
-    source = data.wikitext2_text(None, "test")
+    source = corpora.wikitext2_text(None, "test")
     assert source.sha256 == WIKI_TEST_SHA
     assert source.documents[0].startswith("\n\n = Robert Boulter = \n\n\n\n\n Robert Boulter is")
 
@@ -228,7 +228,7 @@ def test_wikitext_online_uses_datasets_rows(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or {"text": rows})
-    source = data.wikitext2_text(tmp_path, "train")
+    source = corpora.wikitext2_text(tmp_path, "train")
     assert calls == [(("wikitext", "wikitext-2-raw-v1"), {"split": "train"})]
     assert source.documents == (" ".join(rows),)
     assert source.origin == "datasets:wikitext/wikitext-2-raw-v1/train"
@@ -350,8 +350,8 @@ def test_the_cpython_source_is_the_calibration_file_and_disjoint_from_the_test_f
     listed = (directory / "FILES.txt").read_text().split("test.txt:")
     calib_modules, test_modules = (set(part.split()) - {"calib.txt:"} for part in listed)
     assert calib_modules and test_modules and not calib_modules & test_modules
-    assert data.cpython_text(split="test").sha256 == hashlib.sha256(test.read_bytes()).hexdigest()
+    assert corpora.cpython_text(split="test").sha256 == hashlib.sha256(test.read_bytes()).hexdigest()
     with pytest.raises(ValueError, match="unknown CPython split 'train'; allowed: calib, test"):
-        data.cpython_text(split="train")
+        corpora.cpython_text(split="train")
     with pytest.raises(FileNotFoundError, match="calib.txt does not exist"):
         calibration_data("cpython:5x48", tok, data_dir=directory)

@@ -301,13 +301,13 @@ def test_a_family_gguf_cannot_express_is_refused_before_pruning(tmp_path, capsys
     from tiny_families import family_model
     from transformers import AutoTokenizer
 
-    model = tmp_path / "qwen2"
-    family_model("qwen2").save_pretrained(model)
+    model = tmp_path / "mistral"
+    family_model("mistral").save_pretrained(model)
     AutoTokenizer.from_pretrained(STORIES).save_pretrained(model)
     code, err = run(["prune", "--model", str(model), *QUICK, "--save", str(tmp_path / "s"),
                      "--export-gguf", str(tmp_path / "m.gguf")], capsys)
-    assert_one_line_error(code, err, "model type 'qwen2' is not exported to GGUF")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen2"]
+    assert_one_line_error(code, err, "model type 'mistral' is not exported to GGUF")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mistral"]
 
 
 # ------------------------------------------------------------------------------------- modes, signals, leftovers

@@ -204,9 +204,11 @@ def test_every_shipped_matrix_validates_with_its_cell_count():
     factorial = 3 * (4 + 3) * 4 * 2 * 2 + 2 * 2 * 2 + 1
     # real models: 10 methods (ls-best: 3 λ) × 3 ratios + dense; at 20 % only; Gemma without SliceGPT; the
     # allocations: 2 compensators × 4 allocations × 2 ratios + dense; the peers: 3 methods + dense; quick: 5 methods
-    # + dense
+    # + dense; zero-shot: 4 methods (ls-best: 3 λ) + dense; Qwen: 12 methods (2 of them ls-best: 3 λ) × 2 ratios + dense
     real = {"real-smollm2": 12 * 3 + 1, "real-smollm2-tinystories": 12 + 1, "real-gemma3": 11 * 3 + 1,
-            "real-smollm2-allocation": 2 * 4 * 2 + 1, "real-smollm2-peers": 3 + 1, "quick": 6}
+            "real-smollm2-allocation": 2 * 4 * 2 + 1, "real-smollm2-peers": 3 + 1, "quick": 6,
+            "real-smollm2-zeroshot": 6 + 1, "real-qwen2.5-coder-1.5b": 16 * 2 + 1,
+            "real-qwen2.5-coder-1.5b-code": 16 * 2 + 1}
     assert counts == {"ablation": 12, "factorial": factorial, "full": full, "ncalib": ncalib, "paper": paper,
                       "smoke": 46, **real}
 
@@ -261,8 +263,9 @@ def test_a_matrix_file_is_read_with_yaml_1_1_numbers_and_named_after_its_stem(tm
 
 
 def test_an_unknown_matrix_lists_the_shipped_ones():
-    shipped = ("ablation, factorial, full, ncalib, paper, quick, real-gemma3, real-smollm2, real-smollm2-allocation, "
-               "real-smollm2-peers, real-smollm2-tinystories, smoke")
+    shipped = ("ablation, factorial, full, ncalib, paper, quick, real-gemma3, real-qwen2.5-coder-1.5b, "
+               "real-qwen2.5-coder-1.5b-code, real-smollm2, real-smollm2-allocation, real-smollm2-peers, "
+               "real-smollm2-tinystories, real-smollm2-zeroshot, smoke")
     with pytest.raises(MatrixError, match=f"no matrix file or shipped matrix 'smok'; shipped: {shipped}"):
         load_matrix("smok")
 

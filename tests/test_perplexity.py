@@ -14,7 +14,7 @@ from tiny_families import FAMILIES, family_model
 from tiny_models import SHARED, STORIES, TINYSTORIES, WIKI_TEST
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from rcpu_bench import data, paths
+from rcpu_bench import corpora, data, paths
 from rcpu_bench.evaluation import perplexity as perplexity_module
 from rcpu_bench.evaluation.perplexity import PROFILES, get_profile, perplexity, profile_sequences, token_nlls
 from rcpu_bench.model.adapter import head_view
@@ -76,7 +76,7 @@ def test_rcpu128_matches_a_window_by_window_loop(model, tok, wiki_excerpt):
 
 
 def test_rcpu128_bos_puts_the_bos_before_every_window_and_scores_all_its_tokens(model, tok, wiki_excerpt):
-    stream = data.token_stream(data.wikitext2_text(wiki_excerpt, "test"), tok)
+    stream = data.token_stream(corpora.wikitext2_text(wiki_excerpt, "test"), tok)
     assert stream[0] == tok.bos_token_id  # the stories tokenizer adds a BOS, which the profile moves to each window
     body = stream[1:]
     windows = body[: (body.numel() // 128) * 128].view(-1, 128)
@@ -91,7 +91,7 @@ def test_rcpu128_bos_puts_the_bos_before_every_window_and_scores_all_its_tokens(
 
 @pytest.mark.slow  # 20-30 s on 2 loaded cores: a whole evaluation set against a per-sequence loop
 def test_a_window_range_scores_exactly_those_windows(model, tok, wiki_excerpt):
-    stream = data.token_stream(data.wikitext2_text(wiki_excerpt, "test"), tok)
+    stream = data.token_stream(corpora.wikitext2_text(wiki_excerpt, "test"), tok)
     losses = window_nlls(model, stream[: (stream.numel() // 128) * 128].view(-1, 128))
     result = perplexity(model, tok, "rcpu128[2:5]", batch_size=2, data_dir=wiki_excerpt)
     assert (result["profile"], result["n_windows"], result["n_tokens"]) == ("rcpu128[2:5]", 3, 3 * 127)
@@ -105,7 +105,7 @@ def test_std2048_is_capped_at_max_position_embeddings(model, tok, wiki_excerpt):
     result = perplexity(model, tok, "std2048", batch_size=3, data_dir=wiki_excerpt, max_windows=4)
     assert model.config.max_position_embeddings == 512
     assert (result["seqlen"], result["n_windows"], result["n_tokens"]) == (512, 4, 4 * 511)
-    stream = data.token_stream(data.wikitext2_text(wiki_excerpt, "test"), tok)
+    stream = data.token_stream(corpora.wikitext2_text(wiki_excerpt, "test"), tok)
     losses = window_nlls(model, stream[: 4 * 512].view(4, 512))
     assert result["ppl"] == pytest.approx(math.exp(sum(losses) / 4), rel=1e-5)
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from rcpu_bench import data
+from rcpu_bench import corpora, data
 from rcpu_bench.atomic_file import file_sha256
 from rcpu_bench.cli import main
 from rcpu_bench.evaluation.perplexity import perplexity
@@ -72,9 +72,9 @@ def tokenizer():
 def windows(profile: str) -> torch.Tensor:
     """The profile's first WINDOWS windows, cut here from the raw file as the protocol says (not by the harness)."""
     if profile == "cpython128":
-        text = data.cpython_text(split="test").documents[0]
+        text = corpora.cpython_text(split="test").documents[0]
     else:
-        with open(data.wikitext2_text(split="test").origin, encoding="utf-8") as handle:
+        with open(corpora.wikitext2_text(split="test").origin, encoding="utf-8") as handle:
             text = "\n\n".join(row if row.strip() else "" for row in handle)
     ids = torch.tensor(tokenizer()(text)["input_ids"])  # Qwen's tokenizer adds no BOS
     return ids[: WINDOWS * 128].view(WINDOWS, 128)

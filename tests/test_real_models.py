@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from real_models import NAMES, fresh, loaded, require
 from transformers import AutoModelForCausalLM
 
-from rcpu_bench import data
+from rcpu_bench import corpora, data
 from rcpu_bench.atomic_file import file_sha256
 from rcpu_bench.cli import main
 from rcpu_bench.evaluation.perplexity import perplexity
@@ -77,7 +77,7 @@ def test_a_corrupt_or_partial_cache_is_detected_and_rebuilt_identically(tmp_path
 
 def window_ids(tokenizer, profile: str) -> torch.Tensor:
     """The profile's first WINDOWS windows, cut here from the raw file as the protocol says (not by the harness)."""
-    path = data.wikitext2_text(split="test").origin
+    path = corpora.wikitext2_text(split="test").origin
     with open(path, encoding="utf-8") as handle:
         rows = [row if row.strip() else "" for row in handle]
     ids = torch.tensor(tokenizer("\n\n".join(rows))["input_ids"])

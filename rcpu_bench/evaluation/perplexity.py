@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcpu_bench import console, data
+from rcpu_bench import console, corpora, data
 from rcpu_bench.finite import check_logits, finite_logits
 from rcpu_bench.model.adapter import head_view
 
@@ -93,24 +93,24 @@ def get_profile(name: str) -> Profile:
     return replace(base, name=name, stories=(start, stop))
 
 
-def profile_source(name: str, data_dir: Path | str | None = None) -> data.SourceText:
+def profile_source(name: str, data_dir: Path | str | None = None) -> corpora.SourceText:
     """The text a profile evaluates on (raises a clear error when its data file is missing)."""
     profile = get_profile(name)
     if profile.dataset == "tinystories":
-        return data.tinystories_text(data_dir, profile.stories)
+        return corpora.tinystories_text(data_dir, profile.stories)
     if profile.dataset == "cpython-test":
-        return data.cpython_text(data_dir, "test")
-    return data.wikitext2_text(data_dir, "test")
+        return corpora.cpython_text(data_dir, "test")
+    return corpora.wikitext2_text(data_dir, "test")
 
 
-def _stream_windows(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
+def _stream_windows(source: corpora.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
     """The test stream (one BOS at its start) cut into ⌊N / seqlen⌋ non-overlapping windows."""
     stream = data.token_stream(source, tokenizer)
     n_windows = len(stream) // seqlen
     return list(stream[: n_windows * seqlen].view(n_windows, seqlen))
 
 
-def _bos_windows(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
+def _bos_windows(source: corpora.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
     """The rcpu128 windows, each preceded by BOS when the tokenizer adds one (the stream's own leading BOS is not
     part of a window then); else the rcpu128 windows themselves."""
     bos = data.added_bos(tokenizer)
@@ -121,12 +121,12 @@ def _bos_windows(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor
     return list(data.with_bos(stream[: n_windows * seqlen].view(n_windows, seqlen), bos))
 
 
-def _story_sequences(source: data.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
+def _story_sequences(source: corpora.SourceText, tokenizer, seqlen: int) -> list[Tensor]:
     """One sequence per story: BOS + story tokens, truncated to seqlen."""
     return [ids[:seqlen] for ids in data.tokenize_documents(source, tokenizer)]
 
 
-_DATASETS: dict[str, Callable[[data.SourceText, object, int], list[Tensor]]] = {
+_DATASETS: dict[str, Callable[[corpora.SourceText, object, int], list[Tensor]]] = {
     "wikitext2-test": _stream_windows,
     "wikitext2-test-bos": _bos_windows,
     "cpython-test": _stream_windows,
