@@ -71,8 +71,8 @@ def test_plugin_methods_show_up_with_provider_params_and_description():
 
 
 def names(registry, kind: str) -> list[str]:
-    """Method names from the built-in plugin and the test's own (other installed plugins are ignored)."""
-    return [m.name for m in registry.methods(kind) if m.provider.startswith(("builtin", "toy"))]
+    """Method names from the built-in plugins and the test's own (other installed plugins are ignored)."""
+    return [m.name for m in registry.methods(kind) if m.provider.startswith(("builtin", "rcpu_bench.methods.", "toy"))]
 
 
 def test_plugin_methods_are_listed_next_to_builtins():
@@ -115,11 +115,24 @@ def test_builtins_are_registered_with_provider_and_needs():
     builtins = [m for m in registry.methods("scorer") + registry.methods("compensator") if m.name in
                 BUILTIN_SCORERS + BUILTIN_COMPENSATORS]
     for method in builtins:
-        assert method.provider.startswith("builtin (rcpu-bench")
+        assert method.provider.startswith(("builtin (rcpu-bench", "rcpu_bench.methods."))
         assert method.description
     needs = {m.name: m.needs for m in registry.methods("compensator") if m.name in BUILTIN_COMPENSATORS}
     assert needs == {"flap-bias": "moments", "none": "moments", "procrustes": "output_cross", "ridge": "gram",
                      "scaled-procrustes": "gram", "slimllm": "gram", "olica": "gram"}
+
+
+def test_each_peer_method_is_a_plugin_of_its_own_package_and_the_harness_methods_are_builtin():
+    registry = default_registry()
+    peers = {("allocation", "search"): "search", ("model-method", "shortgpt"): "depth",
+             ("model-method", "replaceme"): "depth", ("compensator", "slimllm"): "slimllm",
+             ("compensator", "olica"): "olica", ("scorer", "minitron"): "minitron"}
+    for (kind, name), package in peers.items():
+        assert registry.get(kind, name).provider.startswith(f"rcpu_bench.methods.{package} (rcpu-bench ")
+    harness = [m for kind in ("scorer", "selector", "compensator", "allocation") for m in registry.methods(kind)
+               if (kind, m.name) not in peers]
+    assert harness and all(m.provider.startswith("builtin (rcpu-bench ") for m in harness)
+    assert registry.get("model-method", "shortgpt").check is not None  # the depth baselines' check, with the ratio
 
 
 def test_builtin_params_are_keyword_only_defaults():
@@ -305,7 +318,8 @@ def test_an_installed_builtin_entry_point_is_not_registered_twice(monkeypatch):
     registry = build_registry(plugin_manager())
     assert registry.broken == {}
     assert [m.name for m in registry.methods("scorer")] == BUILTIN_SCORERS
-    assert all(m.provider.startswith("builtin (rcpu-bench") for m in registry.methods("compensator"))
+    assert all(m.provider.startswith(("builtin (rcpu-bench", "rcpu_bench.methods."))
+               for m in registry.methods("compensator"))
 
 
 def test_a_foreign_entry_point_named_builtin_is_reported_not_merged(monkeypatch):

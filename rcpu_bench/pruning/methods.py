@@ -68,7 +68,7 @@ RECIPES: dict[str, Recipe] = {r.key: r for r in (
     Recipe("slicegpt-params", "SliceGPT (param. budget)",
            {"model_method": "slicegpt", "model_method_params": {"budget": "params"}},
            identity=("model_method", "model_method_params")),
-    # Depth baselines (rcpu_bench/pruning/depth.py): whole layers, as many as width pruning at the ratio removes.
+    # Depth baselines (rcpu_bench/methods/depth/): whole layers, as many as width pruning at the ratio removes.
     Recipe("shortgpt", "ShortGPT", {"model_method": "shortgpt"}, identity=("model_method", "model_method_params")),
     Recipe("replaceme", "ReplaceMe (LS)", {"model_method": "replaceme"},
            identity=("model_method", "model_method_params")),
