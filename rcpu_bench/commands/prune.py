@@ -11,19 +11,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 from functools import partial
+from pathlib import Path
 
 from rcpu_bench import paths
 from rcpu_bench.commands import INPUT_ERRORS, command, export
 from rcpu_bench.data import parse_calib
+from rcpu_bench.declaration import add_argument
 from rcpu_bench.experiment import DEFAULT_CALIB, DEFAULT_PPL_PROFILES, MODEL, Experiment, add_flags, run_experiment
+from rcpu_bench.matrix.spec import BY_KEY
 from rcpu_bench.model import real_models
 from rcpu_bench.model.loading import model_source
+from rcpu_bench.model.manifest import CARD
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import check_not_input, check_output_file, default_model
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import options
+from rcpu_bench.pruning.methods import method_label
 from rcpu_bench.records import Record, append_record
 from rcpu_bench.registry import failed_method
+from rcpu_bench.tracking.content import prune_run
+from rcpu_bench.tracking.trackers import open_trackers
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--save", metavar="DIR", help="save the pruned model (safetensors + shape manifest)")
     p.add_argument("--out", metavar="JSONL", help="append the result record to this file")
+    add_argument(p, BY_KEY["report_to"])  # a matrix's report_to, as a flag
     export.add_prune_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -84,6 +92,12 @@ def check_destinations(experiment: Experiment, args: argparse.Namespace) -> None
                                   trust_remote_code=args.trust_remote_code, outtype=args.gguf_outtype)
 
 
+def run_name(experiment: Experiment) -> str:
+    """A tracker's name for the run: method, model (a directory by its name) and ratio."""
+    model = Path(experiment.model).name if Path(experiment.model).exists() else experiment.model
+    return f"{method_label(experiment.prune.to_dict())} | {model} | ρ={experiment.prune.ratio:g}"
+
+
 @command()
 def run(args: argparse.Namespace) -> int:
     """Run the experiment and print its summary."""
@@ -92,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
                             dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                             eval_batch_size=args.eval_batch_size, data_dir=args.data_dir, save_dir=args.save)
     check_destinations(experiment, args)
+    trackers = open_trackers(args.report_to, local_dir=Path(args.out).resolve().parent if args.out else None,
+                             local_flag="--out FILE")
     # Validated whole before any work; the record is appended before the save, so a failing save keeps it.
     try:
         record = run_experiment(experiment, progress=not args.quiet,
@@ -107,6 +123,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"record appended to {args.out}")
     if args.save:
         print(f"pruned model saved to {args.save}")
+    if trackers:  # after the record is appended and the model saved
+        card = Path(args.save) / CARD if args.save else None
+        trackers.log(prune_run(record.to_json(), name=run_name(experiment),
+                               model_card=card if card and card.is_file() else None))
+        for line in trackers.where():
+            print(line)
     if args.export_gguf:
         print(export.describe(export.export_model(args.save, args.export_gguf, args.gguf_outtype)))
     return 0

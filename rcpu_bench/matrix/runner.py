@@ -255,13 +255,16 @@ def plan_text(matrix: Matrix, cells: Sequence[Cell], todo: Sequence[Cell], store
 
 def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local", resume: bool = True,
                progress: bool = True, *, registry: Registry | None = None,
-               ray_address: str | None = None, announce: Callable[[str], None] | None = None) -> RunSummary:
+               ray_address: str | None = None, announce: Callable[[str], None] | None = None,
+               observe: Callable[[Entry, Cell], None] | None = None) -> RunSummary:
     """Run every cell of ``matrix`` not yet finished in ``results_dir`` and store each entry as it ends.
 
     The whole matrix is validated before any cell runs. ``resume=False`` reruns finished cells too
     (the newest entry wins). ``registry`` defaults to the installed plugins. ``announce`` receives the
     plan (:func:`plan_text`) before the first cell runs. λ-grid cells that ask for zero-shot run it only at
     λ_best, after every cell of their group has its perplexity (two phases, rcpu_bench.matrix.phases).
+    ``observe(entry, cell)`` is called with each entry this run stores, once it is stored, and its matrix cell (the
+    experiment trackers: finished cells that are skipped are not stored again, so not observed again).
     """
     registry = registry or default_registry()
     check_output_dir(results_dir, "results directory")
@@ -278,7 +281,7 @@ def run_matrix(matrix: Matrix, results_dir: str | Path, executor: str = "local",
         summary = RunSummary(store.dir, len(cells), skipped=len(cells) - len(todo), groups=len(plan.groups))
         if announce:
             announce(plan_text(matrix, cells, todo, store, plan))
-        phase = _Phase(cell_runner, registry, summary, append, progress, fingerprints)
+        phase = _Phase(cell_runner, registry, summary, append, progress, fingerprints, observe)
         phase.run(f"matrix {matrix.name}", [(plan.phase1_cell(cell), cell) for cell in todo], plan.phase1_entry)
         if plan.groups:
             phase2 = plan.phase2(store.entries())
@@ -316,6 +319,7 @@ class _Phase:
     append: Callable[[Entry], None]
     progress: bool
     fingerprints: Fingerprints
+    observe: Callable[[Entry, Cell], None] | None = None
 
     def run(self, name: str, jobs: Sequence[tuple[Cell, Any]],
             to_entry: Callable[[Entry, Any], Entry]) -> None:
@@ -329,12 +333,15 @@ class _Phase:
                                                           shown.started)) as entries:
             for run in entries:
                 target = targets[run.cell_id]
+                cell = getattr(target, "cell", target)
                 entry = to_entry(run, target)
                 if entry.ok:
-                    entry.fingerprint = self._fingerprint(getattr(target, "cell", target))
+                    entry.fingerprint = self._fingerprint(cell)
                 self.append(entry)
                 self.summary.add(entry)
                 shown.finished(entry)
+                if self.observe is not None:
+                    self.observe(entry, cell)
 
     def _fingerprint(self, cell: Cell) -> dict[str, str] | None:
         """The cell's fingerprint; None, with a warning, when its files cannot be read now (the entry is kept)."""

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from rcpu_bench.declaration import REQUIRED, Option
+from rcpu_bench.declaration import REQUIRED, Option, subset_words
 
 Reader = Callable[[str, Any], Any]
 
@@ -166,6 +166,17 @@ def items(where: str, value: Any) -> list[Any]:
     if not listed or None in listed:
         raise MatrixError(f"{where}: expected a non-empty list, got {value!r}")
     return listed
+
+
+def subset(where: str, value: Any) -> tuple[Any, ...]:
+    """A ``subset`` option's value (checked by the option): a list, a comma list ``a,b``, or ``none`` / null."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return subset_words(value)
+    if isinstance(value, list):
+        return tuple(value)
+    raise MatrixError(f"{where}: expected a list or a comma list, got {value!r}")
 
 
 def listed(read: Reader) -> Reader:

@@ -31,6 +31,7 @@ model (ratio 0) when ``include_dense`` is set. Every key in an example (their me
     skip: [speed, sample]           # measurements left out: calibration-ppl (λ-grid cells keep it), speed, sample
     prune: {batch_size: 8}          # options for every method (a method's own options win)
     ablation: {compensate: [none, o_proj, down_proj, both]}
+    report_to: [mlflow]             # experiment trackers logging each cell: mlflow, wandb (default: none)
 
 Every key is declared once, with its reader, default and help (:data:`TOP_KEYS` here, the nested ones in
 :mod:`rcpu_bench.matrix.entries`, generic readers in :mod:`rcpu_bench.matrix.schema`). A method runs over
@@ -84,11 +85,13 @@ from rcpu_bench.matrix.schema import (
     number,
     optional,
     read_keys,
+    subset,
     text,
 )
 from rcpu_bench.pruning.methods import CUSTOM, RECIPES, method_label, recipe_of
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.registry import Registry
+from rcpu_bench.tracking import TRACKERS
 
 # Cell, MatrixError and error_message are defined in matrix.cells and matrix.schema; importers may take them from here.
 __all__ = ["SHARED", "Cell", "Matrix", "MatrixError", "apply_overrides", "error_message", "expand", "load_matrix",
@@ -159,9 +162,14 @@ class Matrix:
     ablation: tuple[str, ...] = key(lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
                                     "{compensate: [...]}: multiply the methods by the modules compensated", (),
                                     "none")
+    report_to: tuple[str, ...] = option("subset", (), "experiment trackers that log each run (transformers' "
+                                        f"report_to): {', '.join(TRACKERS)} (a comma list) or none; run "
+                                        "--report-to replaces a matrix's report_to", choices=TRACKERS,
+                                        shown="none", read=subset)
 
 
 TOP_KEYS = declared(Matrix)
+BY_KEY = {declared_key.name: declared_key for declared_key in TOP_KEYS}
 
 
 def key_table() -> str:
