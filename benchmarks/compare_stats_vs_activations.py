@@ -55,8 +55,9 @@ from transformers import LlamaForCausalLM
 from rcpu_bench import peak_memory
 from rcpu_bench.model import capture_layer_inputs, decoder_layers, layer_view, run_layer
 from rcpu_bench.plugins import default_registry
-from rcpu_bench.pruning.layer_pass import Timer, prune_module
+from rcpu_bench.pruning.layer_pass import prune_module
 from rcpu_bench.pruning.options import PruneConfig
+from rcpu_bench.pruning.timing import Timer
 from rcpu_bench.records import cpu_model, harness_commit
 from rcpu_bench.selection.select import Selection
 from rcpu_bench.statistics.activations import GRAM_PRECISIONS, collect_input_stats

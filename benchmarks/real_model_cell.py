@@ -183,7 +183,7 @@ def run_cell(loaded: LoadedModel, args: argparse.Namespace, compensator: str, ou
             "solve_per_layer": [layer.get("solve", 0.0) for layer in layers],
             "calibration_ppl": timer.seconds.get("ppl calibration", 0.0),
             "evaluation_ppl": timer.seconds.get(f"ppl {args.profile}", 0.0), "record": writing,
-            "ppl": record.perplexity[0]["ppl"], "peak_rss_mib": peak_rss_mib()}
+            "ppl": record.perplexity[0].ppl, "peak_rss_mib": peak_rss_mib()}
 
 
 def _lam(compensator: str) -> dict[str, Any]:

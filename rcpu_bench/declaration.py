@@ -1,10 +1,12 @@
 """The one mechanism by which options are declared: an :class:`Option` (kind, default, choices, help, cell-id rule)
 and what every declaration derives from it: the check of a value, the ``--flag`` of a command, the reference row.
 
-Three declarations use it: the pruning options (:mod:`rcpu_bench.pruning.options`, :class:`PruneConfig`'s
-fields), the experiment-level options (:mod:`rcpu_bench.experiment_options`: dtype, device, batch size, ...) and
-the matrix schema (:mod:`rcpu_bench.matrix.schema`), whose keys are these options plus its structural keys
-(``models``, ``methods``, ``calib``, ...: kind ``structure``, each with its own reader).
+An option is declared where it is used, as a dataclass field (:func:`option`, :func:`key`), and :func:`declared`
+reads a dataclass's options back from its fields: the pruning options (:class:`rcpu_bench.pruning.options.PruneConfig`),
+the experiment-level options (:class:`rcpu_bench.experiment.Experiment`: revision, dtype, device, batch size, ...),
+and the matrix schema (:class:`rcpu_bench.matrix.spec.Matrix` and the entries it lists,
+:mod:`rcpu_bench.matrix.entries`), whose keys are these options plus its structural keys (``models``, ``methods``,
+``calib``, ...: kind ``structure``, each with its own reader, :mod:`rcpu_bench.matrix.schema`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import argparse
 import ast
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, Literal, get_args, get_type_hints
 
 from rcpu_bench.model.views import MODULES
 from rcpu_bench.selection.select import n_pruned
@@ -84,6 +86,54 @@ class Option:
             n_pruned(100, value)
         if self.library_check is not None:
             self.library_check(value)
+
+
+REQUIRED = object()  # the default of a matrix key that must be given
+
+
+def option(kind: Kind, default: Any, help: str, *, hashed: Literal["always", "when-set"] = "always",
+           recipe: bool = False, cli: str | None = None, library_check: Callable[[Any], Any] | None = None,
+           choices: tuple[str, ...] = (), read: Callable[[str, Any], Any] | None = None,
+           shown: str | None = None) -> Any:
+    """A dataclass field declared as an option; its name and (for a ``Literal`` type) a choice's allowed values come
+    from the field (a ``subset``'s from ``choices``), and the field's default is the option's."""
+    metadata = {"option": {"kind": kind, "help": help, "hashed": hashed, "recipe": recipe, "cli": cli,
+                           "library_check": library_check, "choices": choices, "read": read, "shown": shown}}
+    if kind == "params":
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def key(read: Callable[[str, Any], Any], help: str, default: Any = REQUIRED, shown: str | None = None) -> Any:
+    """A dataclass field declared as a structural key of a matrix mapping: its reader ``read(where, value)``, what
+    it means, its default (:data:`REQUIRED` when it must be given; a default is used as it stands, not read) and
+    the default as the reference shows it. The field itself has no default: the matrix reader fills every field."""
+    return field(metadata={"option": {"kind": "structure", "help": help, "read": read, "shown": shown,
+                                      "default": default}})
+
+
+def reused(declared_option: Option, read: Callable[[str, Any], Any] | None = None) -> Any:
+    """A dataclass field that is an option declared elsewhere (a matrix's ``dtype`` is the experiment's): the same
+    option, read first by ``read`` where given."""
+    chosen = declared_option if read is None else replace(declared_option, read=read)
+    return field(default=declared_option.default, metadata={"declared": chosen})
+
+
+def declared(cls: type) -> tuple[Option, ...]:
+    """The options a dataclass declares by its fields (:func:`option`, :func:`key`, :func:`reused`), in field order;
+    a ``Literal`` type gives a choice's allowed values."""
+    hints = get_type_hints(cls)
+    found = []
+    for f in fields(cls):
+        if "declared" in f.metadata:
+            found.append(f.metadata["declared"])
+        elif "option" in f.metadata:
+            values = dict(f.metadata["option"])
+            default = values.pop("default", {} if f.default is MISSING else f.default)
+            if values["kind"] == "choice":
+                values["choices"] = get_args(hints[f.name])
+            found.append(Option(name=f.name, default=default, **values))
+    return tuple(found)
 
 
 def _valid(option: Option, value: Any) -> bool:

@@ -132,12 +132,18 @@ class LoadModel(Protocol):
     def __call__(self, directory: Path, /, *, dtype: dtype | str, device: Any) -> Any: ...
 
 
+class CheckModel(Protocol):
+    """Raises ValueError naming why a model method cannot prune ``model`` (a weightless skeleton) at ``ratio``."""
+
+    def __call__(self, model: nn.Module, /, *, ratio: float) -> None: ...
+
+
 class Register(Protocol):
     """The ``register`` callable each hook receives, bound to the calling plugin."""
 
     def __call__(self, name: str, fn: Scorer | Selector | Compensator | ModelMethod | Allocation, *,
                  needs: Needs = "moments", description: str | None = None, save: SaveModel | None = None,
-                 load: LoadModel | None = None, check: Callable[[nn.Module], None] | None = None,
+                 load: LoadModel | None = None, check: CheckModel | None = None,
                  dof: Callable[[Tensor, ActivationStats, Tensor, Compensation], float] | None = None) -> None: ...
 
 
@@ -231,7 +237,8 @@ def register_model_methods(register: Register) -> None:
 
     A model method changes the model's structure beyond what ``save_pruned`` describes, so it brings its
     own ``save(model, directory, *, tokenizer, report)``, which must also write an ``rcpu_manifest.json``
-    with ``{"format": ..., "model_method": name}``, and ``load(directory, *, dtype, device)``. ``check(model)``
-    (optional) raises ValueError naming why the method cannot prune a model: it is called on the model's weightless
-    skeleton (meta device) before any weights load, so a model the method does not handle is refused first.
+    with ``{"format": ..., "model_method": name}``, and ``load(directory, *, dtype, device)``.
+    ``check(model, *, ratio)`` (optional) raises ValueError naming why the method cannot prune a model at the run's
+    ratio: it is called on the model's weightless skeleton (meta device) before any weights load, so a model (or a
+    ratio) the method does not handle is refused first.
     """

@@ -1,9 +1,11 @@
 """The run record: what one experiment measured (:class:`Record`), its provenance, and its JSONL file.
 
 A record is one JSON object per line, appended whole and fsynced (:func:`append_record`). Its keys are the
-fields of :class:`Record`; a field that was not measured is left out, and keys of no field (further evaluations
-a caller added) are kept in ``extra``. ``schema_version`` says which layout a line has; lines written before it
-existed have none and the same layout, version 1.
+fields of :class:`Record`, whose parts are typed (:class:`Parameters`, :class:`Perplexity` with its per-window
+values, :class:`Timing`), each read and written through its ``from_json`` / ``to_json``; a field that was not
+measured is left out, and keys of no field (further evaluations a caller added) are kept in ``extra``.
+``schema_version`` says which layout a line has; a record without one was written by an earlier release and is
+converted by ``rcpu-bench migrate`` (``rcpu_bench.matrix.migrate``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -31,22 +33,133 @@ UNKNOWN = "unknown"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
+MIGRATE = "written by an earlier rcpu-bench: convert its store with `rcpu-bench migrate RESULTS_DIR`"
+
+
+def _strict(kind: type, data: Mapping[str, Any], optional: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``data``'s keys checked against the fields of the dataclass ``kind``: each field given, save the ``optional``
+    ones, and no other key (ValueError naming them)."""
+    names = {f.name for f in fields(kind)}
+    missing = sorted(names - set(data) - optional)
+    unknown = sorted(set(data) - names)
+    if missing or unknown:
+        raise ValueError(f"a {kind.__name__.lower()} entry {dict(data)!r:.200} lacks {', '.join(missing) or 'nothing'} "
+                         f"and has unknown {', '.join(unknown) or 'nothing'}; allowed keys: {', '.join(sorted(names))}")
+    return dict(data)
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """The perplexity of one profile (``rcpu_bench.evaluation.perplexity.perplexity``): ppl = exp(nll_mean) over
+    ``n_tokens`` predicted tokens of ``n_windows`` windows (or stories) of ``dataset``, and per window, in the
+    profile's order, its NLL sum and target count (what a paired bootstrap resamples; None in a summary without
+    them, e.g. ``Record.dense_perplexity``)."""
+
+    profile: str
+    dataset: str
+    seqlen: int
+    n_windows: int
+    n_tokens: int
+    ppl: float
+    nll_mean: float
+    dataset_sha256: str
+    batch_size: int
+    window_nll: tuple[float, ...] | None = None
+    window_targets: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Perplexity:
+        values = _strict(cls, data, frozenset({"window_nll", "window_targets"}))
+        windows = {key: tuple(values[key]) for key in ("window_nll", "window_targets") if values.get(key) is not None}
+        return cls(**{**values, **windows})
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in data.items()
+                if value is not None or key not in ("window_nll", "window_targets")}
+
+    def summary(self) -> Perplexity:
+        """The result without its per-window values."""
+        return replace(self, window_nll=None, window_targets=None)
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """One decoder layer's seconds in each phase of the layer loop (``rcpu_bench.pruning.timing.PHASES``)."""
+
+    layer: int
+    seconds: dict[str, float]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LayerTiming:
+        return cls(data["layer"], {key: value for key, value in data.items() if key != "layer"})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer": self.layer, **self.seconds}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall time of a run: all of it (``total_seconds``: load, prune, evaluate), the pruning's per phase over the run
+    (``prune_seconds``: a declared phase, or a whole-model method's name) and per layer."""
+
+    total_seconds: float
+    prune_seconds: dict[str, float]
+    layers: tuple[LayerTiming, ...]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Timing:
+        values = _strict(cls, data)
+        return cls(values["total_seconds"], dict(values["prune_seconds"]),
+                   tuple(LayerTiming.from_json(layer) for layer in values["layers"]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total_seconds": self.total_seconds, "prune_seconds": dict(self.prune_seconds),
+                "layers": [layer.to_json() for layer in self.layers]}
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """Parameter counts of the model before and after pruning, the fraction removed (1 − after / before), and the
+    modules asked to be pruned that lost no unit in any layer (None when every one lost some)."""
+
+    before: int
+    after: int
+    removed_fraction: float
+    unpruned_modules: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Parameters:
+        values = _strict(cls, data, frozenset({"unpruned_modules"}))
+        unpruned = values.get("unpruned_modules")
+        return cls(**{**values, "unpruned_modules": None if unpruned is None else tuple(unpruned)})
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        unpruned = data.pop("unpruned_modules")
+        return data if unpruned is None else {**data, "unpruned_modules": list(unpruned)}
+
+
+# The typed parts of a record: field → how its JSON value reads (a list: one part per item).
+PARTS: dict[str, Any] = {"parameters": Parameters, "timing": Timing, "perplexity": [Perplexity],
+                         "dense_perplexity": [Perplexity]}
+
+
 @dataclass
 class Record:
     """The result of one run (:func:`rcpu_bench.experiment.run_experiment`).
 
-    ``experiment`` is the Experiment's fields (``prune`` the PruneConfig's); ``parameters`` ``before``, ``after``
-    and ``removed_fraction``; ``perplexity`` one entry per profile (``profile``, ``ppl``, ``n_windows``,
-    ``n_tokens``, ``seqlen``); ``calibration_ppl`` the perplexity on the calibration windows themselves (the
-    paper's rule for choosing the ridge λ); ``timing`` ``total_seconds``, ``prune_seconds`` and per ``layers``;
-    ``layers`` the pipeline's per-layer report. The optional fields are None where a run did not measure them
-    (older records, a run without ``--holdout``, a method without a report).
+    ``experiment`` is the Experiment's fields (``prune`` the PruneConfig's); ``parameters``, ``perplexity`` (one
+    per profile), ``timing`` and ``dense_perplexity`` are typed parts (:data:`PARTS`); ``calibration_ppl`` the
+    perplexity on the calibration windows themselves (the paper's rule for choosing the ridge λ); ``layers`` the
+    pipeline's per-layer report. The optional fields are None where a run did not measure them (a run without
+    ``--holdout``, a method without a report, a measurement the run skipped).
     """
 
     experiment: dict[str, Any]
-    parameters: dict[str, Any]
-    perplexity: list[dict[str, Any]]
-    timing: dict[str, Any]
+    parameters: Parameters
+    perplexity: tuple[Perplexity, ...]
+    timing: Timing
     peak_memory_bytes: int
     calibration_ppl: float | None = None
     layers: list[dict[str, Any]] | None = None
@@ -60,27 +173,33 @@ class Record:
     generalisation: dict[str, Any] | None = None  # rcpu_bench.compensation.diagnostics.summary (--holdout)
     method_report: dict[str, Any] | None = None  # a whole-model method's own report
     zeroshot: dict[str, Any] | None = None  # rcpu_bench.evaluation.zeroshot.evaluate_zeroshot (a matrix's eval)
-    dense_perplexity: list[dict[str, Any]] | None = None  # the unpruned model's, when the run saves the model
+    dense_perplexity: tuple[Perplexity, ...] | None = None  # the unpruned model's, when the run saves the model
     extra: dict[str, Any] = field(default_factory=dict)  # further fields a caller added
     schema_version: int = SCHEMA_VERSION
 
+    def ppl(self, profile: str) -> float | None:
+        """The perplexity of ``profile``, None when the run did not measure it."""
+        return next((p.ppl for p in self.perplexity if p.profile == profile), None)
+
     def to_json(self) -> dict[str, Any]:
-        """The record as its JSON object: the fields that were measured, then ``extra``."""
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        """The record as its JSON object: the fields that were measured (typed parts as their JSON), then ``extra``."""
+        data = {f.name: _part_json(getattr(self, f.name)) for f in fields(self) if f.name != "extra"}
         return {**{key: value for key, value in data.items() if value is not None}, **self.extra}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Record:
-        """A record from its JSON object (any schema version so far; keys of no field go to ``extra``)."""
+        """A record from its JSON object in today's format (keys of no field go to ``extra``)."""
         names = {f.name for f in fields(cls)} - {"extra", "schema_version"}
-        known = {key: value for key, value in data.items() if key in names}
-        extra = {key: value for key, value in data.items() if key not in names and key != "schema_version"}
-        version = data.get("schema_version", 1)
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"record schema_version {version!r} is not one this rcpu-bench reads ({SCHEMA_VERSION})")
-        missing = [name for name in cls.required() if name not in known]
+        if "schema_version" not in data:
+            raise ValueError(f"a record without a schema_version was {MIGRATE}")
+        if data["schema_version"] != SCHEMA_VERSION:
+            raise ValueError(f"record schema_version {data['schema_version']!r} is not one this rcpu-bench reads "
+                             f"({SCHEMA_VERSION})")
+        missing = [name for name in cls.required() if name not in data]
         if missing:
             raise ValueError(f"a record needs the field(s) {', '.join(missing)}")
+        known = {key: _part(key, value) for key, value in data.items() if key in names}
+        extra = {key: value for key, value in data.items() if key not in names and key != "schema_version"}
         return cls(**known, extra=extra)
 
     @classmethod
@@ -89,13 +208,27 @@ class Record:
         return tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
 
     def add(self, measured: Mapping[str, Any]) -> None:
-        """Add further measurements (e.g. ``{"zeroshot": ...}``): fields by name, other keys to ``extra``."""
+        """Add further measurements (e.g. ``{"zeroshot": ...}``, as JSON): fields by name, other keys to ``extra``."""
         names = {f.name for f in fields(self)} - {"extra", "schema_version"}
         for key, value in measured.items():
             if key in names:
-                setattr(self, key, value)
+                setattr(self, key, _part(key, value))
             else:
                 self.extra[key] = value
+
+
+def _part(name: str, value: Any) -> Any:
+    """A record field's JSON value as its type: a typed part (:data:`PARTS`) read, any other as it is."""
+    kind = PARTS.get(name)
+    if kind is None or value is None:
+        return value
+    return tuple(kind[0].from_json(item) for item in value) if isinstance(kind, list) else kind.from_json(value)
+
+
+def _part_json(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [item.to_json() for item in value]
+    return value.to_json() if hasattr(value, "to_json") else value
 
 
 # ------------------------------------------------------------------------------------------- provenance

@@ -68,7 +68,7 @@ class Method:
     params: dict[str, Any] = field(default_factory=dict)
     save: Callable[..., Any] | None = None  # model methods: save(model, directory, *, tokenizer, report)
     load: Callable[..., Any] | None = None  # model methods: load(directory, *, dtype, device) -> LoadedModel
-    check: Callable[..., Any] | None = None  # model methods: check(skeleton) raises ValueError when it cannot prune it
+    check: Callable[..., Any] | None = None  # model methods: check(skeleton, *, ratio) raises ValueError when it cannot
     dof: Callable[..., Any] | None = None  # compensators: dof(weight, stats, kept, compensation) -> degrees of freedom
     # Parameter sets whose trial run passed (repr of the sorted items): a matrix validates each set once, not per cell.
     _accepted: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
@@ -149,6 +149,15 @@ def _parameters(fn: Callable[..., Any]) -> dict[str, Any]:
     return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
 
 
+def _takes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Whether ``fn`` can be called with these arguments (its signature binds them)."""
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
 def make_method(kind: Kind, name: str, fn: Callable[..., Any], provider: str, *, needs: str = "moments",
                 description: str | None = None, save: Callable[..., Any] | None = None,
                 load: Callable[..., Any] | None = None, check: Callable[..., Any] | None = None,
@@ -161,6 +170,9 @@ def make_method(kind: Kind, name: str, fn: Callable[..., Any], provider: str, *,
         raise ValueError(f"{kind} {name!r} from {provider}: only model methods take save=, load= and check=")
     if dof is not None and kind != "compensator":
         raise ValueError(f"{kind} {name!r} from {provider}: only compensators take dof=")
+    if check is not None and not _takes(check, None, ratio=0.0):
+        raise ValueError(f"{kind} {name!r} from {provider}: check={getattr(check, '__name__', check)!r} does not take "
+                         "(model, *, ratio); allowed: a function check(model, *, ratio) raising ValueError")
     summary = description or (inspect.getdoc(fn) or "").split("\n")[0]
     return Method(kind, name, fn, provider, needs, summary, _parameters(fn), save, load, check, dof)
 
@@ -362,12 +374,15 @@ def _call_hook(hook: Callable[..., None], hook_name: str, kind: Kind, provider: 
 
 def failed_method(error: BaseException) -> str | None:
     """One line naming the registered method whose call failed with ``error`` and the decoder layer being pruned
-    (read from the traceback: the innermost method call, ``prune_model``'s layer index), or None when no registered
+    (read from the traceback: the innermost method call, the layer ``prune_model`` or the layer walk is at), or None
+    when no registered
     method was running: a plugin that fails on a real layer is named, in ``rcpu-bench prune`` and in a matrix's
     failed-cell line alike."""
     method, layer = None, None
     for frame, _ in traceback.walk_tb(error.__traceback__):
-        if frame.f_code.co_name == "prune_model":
+        if frame.f_code.co_name == "prune_model" and "step" in frame.f_locals:
+            layer = frame.f_locals["step"].index  # a rcpu_bench.pruning.walk.LayerStep
+        elif frame.f_code.co_name == "walk_layers":
             layer = frame.f_locals.get("index")
         if frame.f_code.co_name == "__call__" and isinstance(frame.f_locals.get("self"), Method):
             method = frame.f_locals["self"]

@@ -185,6 +185,7 @@ ALLOWED = {
     "rcpu_bench/matrix/spec.py": "the matrix vocabulary of the ablation (compensate: o_proj / down_proj)",
     "plugins/rcpu-slicegpt/rcpu_slicegpt/layers.py": "the sliced layer keeps Llama's child names (its weights' keys)",
     "rcpu_bench/export/gguf.py": "the map from a Llama checkpoint's tensor names to llama.cpp's GGUF names",
+    "rcpu_bench/model/migrate.py": "format 2 saved Llama only, its bias flags named by Llama's o_proj and down_proj",
 }
 
 
@@ -233,3 +234,12 @@ def test_plugins_import_only_the_top_package_and_the_model_side():
                                                           if m.startswith("rcpu_bench.") and m != "rcpu_bench.model")
               for path in sources}
     assert sources and {path: modules for path, modules in deeper.items() if modules} == {}
+
+
+def test_a_modules_units_under_each_gqa_rule():
+    view = layer_view(tiny_model(tiny_config(n_heads=6, n_kv_heads=3, intermediate=20)).model.layers[0])
+    assert view.n_units("attention") == view.n_units("attention", "group") == 3  # key/value groups
+    assert view.n_units("attention", "query") == 6  # query heads, chosen within their groups
+    assert view.n_units("mlp") == view.n_units("mlp", "query") == 20  # channels, whatever the rule
+    prune_attention(view.layer.self_attn, torch.tensor([0, 1, 4, 5]), torch.tensor([0, 2]), torch.randn(24, 24))
+    assert (view.n_units("attention"), view.n_units("attention", "query")) == (2, 4)  # read from current shapes

@@ -8,9 +8,11 @@ import pytest
 import torch
 from tiny_models import tiny_config, tiny_model, tokens
 
+from rcpu_bench.methods.depth.layers import matched_layer_count
+from rcpu_bench.methods.depth.replaceme import replaceme_transform
+from rcpu_bench.methods.depth.shortgpt import block_influence
 from rcpu_bench.model.adapter import decoder_layers
 from rcpu_bench.plugins import default_registry
-from rcpu_bench.pruning.depth import block_influence, matched_layer_count, replaceme_transform
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.pipeline import prune_model
 

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from rcpu_bench.compensation import compensators
 from rcpu_bench.compensation.diagnostics import (
-    low_rank_dof,
     module_generalisation,
     relative_error,
     ridge_degrees_of_freedom,
     rotation_degrees_of_freedom,
     summary,
 )
+from rcpu_bench.methods.olica.calibration import low_rank_dof
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.statistics.activations import ActivationStats
 

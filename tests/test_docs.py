@@ -167,7 +167,7 @@ def test_cli_reference_holds_every_command_and_option_of_the_parsers():
 
 
 def test_cli_reference_tables_are_the_declared_ones():
-    from rcpu_bench import experiment_options
+    from rcpu_bench import experiment as experiment_options
     from rcpu_bench.matrix.spec import key_table
     from rcpu_bench.pruning import options
 
@@ -405,3 +405,71 @@ def test_the_python_api_example_runs(capsys, monkeypatch):
     parameters, ppl = capsys.readouterr().out.split()
     assert int(parameters) > 0 and 1 < float(ppl) < 100
 
+
+
+# ------------------------------------------------------------------------ numbers that cannot drift
+
+
+def generated() -> types.ModuleType:
+    return hook("generated")
+
+
+GENERATED = [(page, number) for page in documents() for number in range(len(generated().blocks(page)))]
+COMMITTED_OUTPUTS = [line for line in (ROOT / "results" / "outputs.txt").read_text(encoding="utf-8").splitlines()
+                     if line and not line.startswith("#")]
+
+
+@pytest.mark.slow  # bootstrap rankings of the real-model stores: seconds each
+@pytest.mark.parametrize(("page", "number"), GENERATED, ids=lambda v: v.name if isinstance(v, Path) else str(v))
+def test_every_generated_table_of_the_readme_and_site_is_its_commands_output_on_the_committed_stores(page, number):
+    block = generated().blocks(page)[number]
+    assert block.output() == block.expected(), f"{page.name}: `{block.command}` prints another table"
+
+
+def test_the_pages_show_every_committed_table_through_a_command_that_names_it():
+    """A committed table of a store included in a page sits in a generated block whose command is the one that writes
+    it (``results/benchmarks/`` holds the benchmark scripts' outputs, written by the commands its page shows)."""
+    commands = {shlex.join(shlex.split(line)[:-2]): shlex.split(line)[-1] for line in COMMITTED_OUTPUTS
+                if " tables " in line}
+    for page in documents():
+        blocks = generated().blocks(page)
+        for include in re.findall(r'^--8<-- "(results/(?!benchmarks/)[^"]+)"$', page.read_text(encoding="utf-8"),
+                                  flags=re.M):
+            owner = [b for b in blocks if b.included == ROOT / include]
+            assert owner, f"{page.name} includes {include} outside a generated block"
+            command = shlex.join(shlex.split(owner[0].command))
+            assert any(command == written.replace(" --format md", "") and path == include
+                       for written, path in commands.items()), f"{page.name}: {include} is not written by {command}"
+
+
+def test_every_figure_quoted_in_the_results_prose_is_in_a_file_it_names_or_a_table_of_its_page():
+    for page, section in generated().PAGES.items():
+        assert generated().figures(page, section) == [], page.name
+
+
+@pytest.mark.slow  # every table of every committed store
+@pytest.mark.parametrize("line", [line for line in COMMITTED_OUTPUTS if " tables " in line])
+def test_every_committed_table_is_its_commands_output_on_the_committed_stores(line, capsys, monkeypatch):
+    from rcpu_bench.commands import main
+
+    monkeypatch.chdir(ROOT)
+    words = shlex.split(line)
+    assert words[0] == "rcpu-bench" and words[-2] == "--out"
+    assert main(words[1:-2]) == 0
+    assert capsys.readouterr().out == (ROOT / words[-1]).read_text(encoding="utf-8"), line
+
+
+@pytest.mark.slow  # every figure of every committed store: minutes
+def test_every_committed_figure_is_its_commands_output_byte_for_byte(tmp_path, monkeypatch):
+    from rcpu_bench.commands import main
+
+    monkeypatch.chdir(ROOT)
+    for line in (line for line in COMMITTED_OUTPUTS if " plots " in line):
+        words = shlex.split(line)
+        assert words[-2] == "--out-dir"
+        committed, fresh = ROOT / words[-1], tmp_path / words[-1]
+        assert main([*words[1:-1], str(fresh)]) == 0
+        names = sorted(p.name for p in committed.iterdir())
+        assert sorted(p.name for p in fresh.iterdir()) == names, line
+        for name in names:
+            assert (fresh / name).read_bytes() == (committed / name).read_bytes(), f"{line}: {name}"

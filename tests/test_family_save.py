@@ -137,9 +137,9 @@ def test_one_matrix_cell_per_family_through_rcpu_bench_run(tmp_path):
         assert main(["run", "--matrix", str(matrix), "--results", str(tmp_path / run), "--quiet"]) == 0
         for entry in Store(tmp_path / run).entries():
             assert entry.status == "ok", entry.error
-            assert entry.record["parameters"]["removed_fraction"] > 0
-            assert all(torch.isfinite(torch.tensor(p["ppl"])) for p in entry.record["perplexity"])
-            labels.append(entry.cell["model_label"])
+            assert entry.record.parameters.removed_fraction > 0
+            assert all(torch.isfinite(torch.tensor(p.ppl)) for p in entry.record.perplexity)
+            labels.append(entry.cell.model_label)
     assert sorted(labels) == sorted(FAMILIES)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from registries import builtin_registry, with_plugins
+from test_tables import entry as table_entry
 from tiny_models import STORIES_MHA, needs_stories, tiny_config, tiny_model, tokens
 from transformers import LlamaForCausalLM
 
@@ -156,14 +157,13 @@ def entry(label: str, n_calib: int, lam: float | None, calib_ppl: float, held: f
               for m in ("attention", "mlp")]
     compensator = "ridge" if lam is not None else "procrustes"
     prune = {**PruneConfig(ratio=0.2, compensator=compensator,
-                           compensator_params={} if lam is None else {"lam": lam}).to_dict(), "holdout": 4}
-    return StoredResult.from_entry(Entry.from_json({"cell_id": f"{label}{n_calib}{lam}", "status": "ok",
-            "cell": {"model_label": "m", "method_label": label, "n_calib": n_calib,
-                     "model": "m", "calib": f"c:{n_calib}", "prune": prune},
-            "record": {"experiment": {"prune": prune}, "calibration_ppl": calib_ppl, "parameters": {"before": 10},
-                       "perplexity": [], "timing": {}, "peak_memory_bytes": 0,
-                       "generalisation": {"holdout_windows": 4, "layers": layers, "calibration_error_mean": held / 2,
-                                          "holdout_error_mean": held, "degrees_of_freedom_total": 2 * dof}}}))
+                           compensator_params={} if lam is None else {"lam": lam}).to_json(), "holdout": 4}
+    stored = table_entry("custom", 0.2, label=label, n_calib=n_calib, prune=prune)
+    stored["cell"]["model_label"] = "m"
+    stored["record"].update(calibration_ppl=calib_ppl, generalisation={
+        "holdout_windows": 4, "layers": layers, "calibration_error_mean": held / 2, "holdout_error_mean": held,
+        "degrees_of_freedom_total": 2 * dof})
+    return StoredResult.from_entry(Entry.from_json({**stored, "cell_id": f"{label}{n_calib}{lam}"}))
 
 
 def test_tables_choose_lambda_by_each_rule_and_figures_are_written(tmp_path):

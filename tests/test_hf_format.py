@@ -4,6 +4,7 @@ classes where rcpu_bench.model is imported, the source written beside the weight
 (Every family: test_family_save.py.)"""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from rcpu_bench.model.manifest import CARD, MANIFEST
 from rcpu_bench.model.persistence import load_pruned, save_pruned
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
+from rcpu_bench.records import Record
 
 TASKS_DIR = str(__import__("rcpu_bench.evaluation.tasks", fromlist=["_"]).__path__[0])
 PROMPT = "Once upon a time there was a little"
@@ -169,12 +171,14 @@ def test_stock_lm_eval_hf_model_matches_the_in_memory_model(tmp_path, case):
 
 def test_model_card_states_recipe_calibration_parameters_and_perplexity_beside_dense(tmp_path):
     model = pruned_tiny_biased()
-    record = {"calibration": {"source": "tinystories", "split": "train", "n_samples": 128, "seqlen": 128, "seed": 0},
-              "experiment": {"calib": "tinystories:128x128"},
-              "parameters": {"before": 99999, "after": parameter_count(model)},
-              "perplexity": [{"profile": "rcpu128", "dataset": "wikitext2/test", "ppl": 123.456789,
-                              "n_windows": 10, "seqlen": 128}],
-              "dense_perplexity": [{"profile": "rcpu128", "ppl": 100.0}]}
+    ppl = {"profile": "rcpu128", "dataset": "wikitext2/test", "ppl": 123.456789, "n_windows": 10, "seqlen": 128,
+           "n_tokens": 1270, "nll_mean": math.log(123.456789), "dataset_sha256": "0" * 64, "batch_size": 8}
+    record = Record.from_json({
+        "calibration": {"source": "tinystories", "split": "train", "n_samples": 128, "seqlen": 128, "seed": 0},
+        "experiment": {"calib": "tinystories:128x128"}, "peak_memory_bytes": 0, "schema_version": 1,
+        "parameters": {"before": 99999, "after": parameter_count(model), "removed_fraction": 0.1},
+        "timing": {"total_seconds": 1.0, "prune_seconds": {}, "layers": []},
+        "perplexity": [ppl], "dense_perplexity": [{**ppl, "ppl": 100.0, "nll_mean": math.log(100.0)}]})
     method = {"scorer": "flap-wifv", "compensator": "flap-bias", "ratio": 0.2, "structure": "al-am",
               "prune": ["attention", "mlp"], "compensator_params": {}}
     provenance = {"name_or_path": "org/base-model"}
@@ -292,26 +296,3 @@ def test_saved_tokenizer_files_name_no_remote_code(tmp_path):
     save_pruned(model, tmp_path / "m", tokenizer=tokenizer)
     assert "auto_map" not in json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
     assert load_pruned(tmp_path / "m").tokenizer(PROMPT).input_ids == tokenizer(PROMPT).input_ids
-
-
-def test_format_2_per_layer_directories_still_load(tmp_path):
-    """Format 2 wrote the Llama-only RcpuLlamaConfig: the Llama config flat, plus per-layer lists and bias flags."""
-    model = pruned_tiny_biased()
-    save_pruned(model, tmp_path / "m")
-    for name in ("configuration_rcpu_pruned.py", "modeling_rcpu_pruned.py"):
-        (tmp_path / "m" / name).unlink()
-    saved = json.loads((tmp_path / "m" / "config.json").read_text())
-    base = saved.pop("base_config")
-    biases = saved.pop("layer_added_biases")
-    format_2 = {**base, **saved, "model_type": "rcpu_llama", "architectures": ["RcpuLlamaForCausalLM"],
-                "auto_map": {"AutoConfig": "configuration_rcpu_llama.RcpuLlamaConfig",
-                             "AutoModelForCausalLM": "modeling_rcpu_llama.RcpuLlamaForCausalLM"},
-                "layer_o_proj_bias": ["self_attn.o_proj" in names for names in biases],
-                "layer_down_proj_bias": ["mlp.down_proj" in names for names in biases]}
-    (tmp_path / "m" / "config.json").write_text(json.dumps(format_2))
-    manifest = json.loads((tmp_path / "m" / MANIFEST).read_text())
-    weights = {"model.safetensors": manifest["sha256"]["model.safetensors"]}  # format 2 recorded no config checksum
-    (tmp_path / "m" / MANIFEST).write_text(json.dumps({**manifest, "format_version": 2, "config": "rcpu_llama",
-                                                       "sha256": weights}))
-    ids = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(logits(load_pruned(tmp_path / "m").model, ids), logits(model, ids))

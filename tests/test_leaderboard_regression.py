@@ -37,7 +37,7 @@ def test_smoke_cells_reproduce_the_committed_leaderboard():
         expected = stored[cell.id].record
         entry = run_cell(cell, default_registry(), models)
         assert entry.status == "ok", entry.error
-        got = {p["profile"]: p["ppl"] for p in entry.record["perplexity"]}
-        for p in expected["perplexity"]:
-            assert math.isclose(got[p["profile"]], p["ppl"], rel_tol=1e-6), (cell.describe(), p["profile"])
-        assert math.isclose(entry.record["calibration_ppl"], expected["calibration_ppl"], rel_tol=1e-6)
+        got = {p.profile: p.ppl for p in entry.record.perplexity}
+        for p in expected.perplexity:
+            assert math.isclose(got[p.profile], p.ppl, rel_tol=1e-6), (cell.describe(), p.profile)
+        assert math.isclose(entry.record.calibration_ppl, expected.calibration_ppl, rel_tol=1e-6)

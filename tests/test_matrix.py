@@ -77,7 +77,7 @@ def test_skip_and_zeroshot_ratios_shape_what_each_cell_measures():
     assert skips[("ls-best", 1.0)] == ("speed", "sample")  # the λ rule reads the calibration perplexity
     assert all(c.calib.endswith(":bos") and c.experiment().skip == c.skip for c in cells)
     plain = cells_of(tiny_raw(["wanda-sp"]))[0]
-    without = {k: v for k, v in plain.to_dict().items() if k != "skip"}  # a cell stored before the key existed
+    without = {k: v for k, v in plain.to_json().items() if k != "skip"}  # a cell stored before the key existed
     assert plain.skip == () and matrix_cells.cell_id(without) == plain.id
     with pytest.raises(MatrixError, match="skip.*'timing'"):
         cells_of(tiny_raw(["wanda-sp"], skip=["timing"]))
@@ -290,7 +290,7 @@ def test_a_recipe_overridden_by_the_matrix_is_not_labelled_as_the_recipe():
     assert (cell.method, cell.method_label) == ("custom", "variance+procrustes [statistics=one-shot]")
     assert methods.label_of(cell.prune) is None
     assert (dense.method, dense.method_label) == ("original", "Original")  # nothing pruned: no option matters
-    stored_before_the_fix = {**cell.to_dict(), "method": "rcpu-rot", "method_label": "RCPU (Rot.)"}
+    stored_before_the_fix = {**cell.to_json(), "method": "rcpu-rot", "method_label": "RCPU (Rot.)"}
     assert methods.cell_label(stored_before_the_fix) == cell.method_label
     (product_cell,) = [c for c in cells_of(tiny_raw([{"scorers": ["variance"], "compensators": ["procrustes"]}],
                                                     prune={"statistics": "one-shot"}))]

@@ -8,12 +8,13 @@ from dataclasses import fields
 
 import pytest
 
-from rcpu_bench import experiment_options
+from rcpu_bench import experiment as experiment_options
 from rcpu_bench.cli import build_parser
 from rcpu_bench.commands import subcommand_parser
 from rcpu_bench.declaration import Option
+from rcpu_bench.experiment import Experiment
 from rcpu_bench.matrix.entries import MODEL_KEYS, PRUNE_KEYS
-from rcpu_bench.matrix.spec import TOP_KEYS
+from rcpu_bench.matrix.spec import TOP_KEYS, Matrix, parse_matrix
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.options import MODULES, OPTIONS, PruneConfig
@@ -125,6 +126,9 @@ def test_eval_batch_size_has_one_default_and_help_on_every_command_that_evaluate
         assert (action.option_strings, action.default, action.help) == (["--eval-batch-size"], 8, option.help)
 
 
+DECLARED = {**experiment_options.BY_NAME, "zeroshot_limit": {key.name: key for key in TOP_KEYS}["zeroshot_limit"]}
+
+
 @pytest.mark.parametrize("name, value, message", [
     ("dtype", "int8", "unknown dtype 'int8'; allowed: float32, float64, bfloat16, float16"),
     ("dtype", "", "dtype='' is not allowed; allowed: a non-empty string"),
@@ -135,20 +139,22 @@ def test_eval_batch_size_has_one_default_and_help_on_every_command_that_evaluate
 ])
 def test_a_bad_experiment_option_names_the_value_and_what_is_allowed(name, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        experiment_options.BY_NAME[name].check(value)
+        DECLARED[name].check(value)
 
 
 @pytest.mark.parametrize("name, value", [("dtype", "bfloat16"), ("device", "cuda:1"), ("eval_batch_size", 1),
                                          ("zeroshot_limit", None), ("revision", None), ("revision", "main")])
 def test_a_good_experiment_option_passes(name, value):
-    experiment_options.BY_NAME[name].check(value)
+    DECLARED[name].check(value)
 
 
 def test_the_matrix_schema_is_options_and_its_option_keys_are_the_declarations():
     keys = {key.name: key for key in TOP_KEYS}
     assert all(isinstance(key, Option) for key in (*TOP_KEYS, *PRUNE_KEYS, *MODEL_KEYS))
-    for name in ("dtype", "device", "eval_batch_size", "zeroshot_limit"):
-        assert keys[name] is experiment_options.BY_NAME[name]
+    for name in ("dtype", "device", "eval_batch_size"):
+        assert keys[name] is experiment_options.BY_NAME[name]  # the experiment's declaration, not a copy
+    assert [key.name for key in TOP_KEYS] == [f.name for f in fields(Matrix)]  # each key a field of the Matrix
+    assert (keys["zeroshot_limit"].kind, keys["zeroshot_limit"].default) == ("count", None)
     assert {key.name for key in TOP_KEYS if key.kind == "structure"} == {
         "name", "models", "methods", "ratios", "calib", "lambdas", "eval", "ppl_profiles", "include_dense", "prune",
         "ablation", "zeroshot_ratios", "skip"}
@@ -158,3 +164,21 @@ def test_the_matrix_schema_is_options_and_its_option_keys_are_the_declarations()
         assert (key.kind, key.help, key.default, key.choices) == (option.kind, option.help, option.default,
                                                                   option.choices)
     assert MODEL_KEYS[-1] is experiment_options.BY_NAME["revision"]
+
+
+def test_every_default_of_a_run_setting_comes_from_its_declaration():
+    experiment = Experiment()
+    for declared in experiment_options.OPTIONS:
+        assert getattr(experiment, declared.name) == declared.default
+    config = PruneConfig()
+    for declared in OPTIONS:
+        assert getattr(config, declared.name) == declared.default
+    matrix = parse_matrix({"models": ["m"], "methods": ["rcpu-rot"], "ratios": [0.2]}, "m")
+    for declared in TOP_KEYS:
+        if declared.name not in ("name", "models", "methods", "ratios", "ablation"):
+            assert getattr(matrix, declared.name) == declared.default, declared.name
+
+
+def test_the_pruned_modules_come_in_pruning_order_whatever_order_they_were_given_in():
+    assert PruneConfig(prune=("mlp", "attention")).pruned_modules == ("attention", "mlp")
+    assert PruneConfig(prune=("mlp",)).pruned_modules == ("mlp",) and PruneConfig(prune=()).pruned_modules == ()

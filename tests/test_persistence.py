@@ -1,5 +1,5 @@
-"""save_pruned / load_pruned: round trips, the manifest, format 1 directories, atomic writes and corrupt
-directories. (Loading through stock transformers / lm-eval: test_hf_format.py.)"""
+"""save_pruned / load_pruned: round trips, the manifest, atomic writes and corrupt directories. (Loading through
+stock transformers / lm-eval: test_hf_format.py; directories of earlier formats: test_migrate.py.)"""
 
 import json
 import os
@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_model
 from tiny_models import STORIES, apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model, tokens
 
 from rcpu_bench.model.adapter import layer_geometries
@@ -15,7 +14,6 @@ from rcpu_bench.model.loading import load_model, parameter_count
 from rcpu_bench.model.manifest import MANIFEST, read_manifest
 from rcpu_bench.model.persistence import load_pruned, load_saved, save_pruned
 from rcpu_bench.plugins import default_registry
-from rcpu_bench.records import library_versions
 
 REMOTE_CODE_FILES = ["README.md", "config.json", "configuration_rcpu_pruned.py", "model.safetensors",
                      "modeling_rcpu_pruned.py", MANIFEST]
@@ -109,76 +107,8 @@ def test_missing_manifest_and_unknown_version(tmp_path):
     path = tmp_path / "m" / MANIFEST
     manifest = json.loads(path.read_text())
     path.write_text(json.dumps({**manifest, "format_version": 99}))
-    with pytest.raises(ValueError, match="version 99; supported: 'rcpu-bench-pruned' version 1, 2, 3, 4"):
+    with pytest.raises(ValueError, match="version 99; supported: 'rcpu-bench-pruned' version 4"):
         load_pruned(tmp_path / "m")
-
-
-@pytest.mark.parametrize("edit, message", [
-    (lambda m: m["layers"][0].update(n_heads=5), "layer 0 is .* but the config builds"),
-    (lambda m: m["layers"][0].update(n_heads=3), "size mismatch for model.layers.0.self_attn.q_proj.weight"),
-    (lambda m: m["layers"][1].update(intermediate=21), "layer 1 .* does not fit the config"),
-    (lambda m: m["layers"].pop(), "describes 2 layers but the config has 3"),
-    (lambda m: m.update(parameter_count=1), "rebuilt model has .* parameters; the manifest says 1"),
-    (lambda m: m["layers"][2].update(intermediate=m["layers"][2]["intermediate"] - 1), "size mismatch"),
-])
-def test_corrupt_format_1_manifests_are_rejected(tmp_path, edit, message):
-    save_format_1(pruned_tiny(), tmp_path / "m")
-    path = tmp_path / "m" / MANIFEST
-    manifest = json.loads(path.read_text())
-    edit(manifest)
-    path.write_text(json.dumps(manifest))
-    with pytest.raises((ValueError, RuntimeError), match=message):
-        load_pruned(tmp_path / "m")
-
-
-@pytest.mark.parametrize("edit, message", [
-    (lambda m, c: m["layers"][0].update(n_heads=2), "layer 0 is .* but the config builds"),
-    (lambda m, c: c["layer_intermediate_sizes"].__setitem__(1, 3), "layer 1 is .* but the config builds"),
-    (lambda m, c: c["layer_added_biases"].__setitem__(2, []), "layer 2 is .* but the config builds"),
-    (lambda m, c: c["layer_num_key_value_heads"].pop(), "layer_num_key_value_heads has 2 entries"),
-    (lambda m, c: m.update(config="gpt2"), "config 'gpt2'; allowed: family, per_layer, llama, rcpu_llama, original"),
-    (lambda m, c: m.update(config="family"), "says config 'family' but config.json is a RcpuPrunedConfig"),
-])
-def test_corrupt_format_3_directories_are_rejected(tmp_path, edit, message):
-    """Format 3 recorded no checksum of config.json, so an edited one is caught by the shapes it builds."""
-    save_pruned(pruned_tiny(), tmp_path / "m")
-    manifest, config = (json.loads((tmp_path / "m" / name).read_text()) for name in (MANIFEST, "config.json"))
-    manifest["format_version"] = 3
-    del manifest["sha256"]["config.json"]
-    edit(manifest, config)
-    (tmp_path / "m" / MANIFEST).write_text(json.dumps(manifest))
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=message):
-        load_pruned(tmp_path / "m")
-
-
-# --- format 1 (the original config and a manifest; written by rcpu-bench before format 2) -----------
-
-def save_format_1(model, directory):
-    """A format-1 directory as its specification describes it, written here without save_pruned."""
-    directory.mkdir()
-    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    model.config.save_pretrained(directory)  # surgery leaves the config unpruned: the original one
-    head_dim = model.config.head_dim
-    layers = [{"n_heads": layer.self_attn.q_proj.out_features // head_dim,
-               "n_kv_heads": layer.self_attn.k_proj.out_features // head_dim, "head_dim": head_dim,
-               "intermediate": layer.mlp.up_proj.out_features, "o_proj_bias": layer.self_attn.o_proj.bias is not None,
-               "down_proj_bias": layer.mlp.down_proj.bias is not None} for layer in model.model.layers]
-    manifest = {"format": "rcpu-bench-pruned", "format_version": 1, "weights": "model.safetensors",
-                "parameter_count": sum(p.numel() for p in model.parameters()), "layers": layers,
-                "method": {"scorer": "variance"}, "provenance": {}, "saved_with": library_versions()}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
-
-
-@pytest.mark.parametrize("tie, rule", [(True, "groups"), (False, "within")])
-def test_format_1_directories_still_load(tmp_path, tie, rule):
-    model = pruned_tiny(tie, rule)
-    save_format_1(model, tmp_path / "v1")
-    loaded = load_pruned(tmp_path / "v1")
-    ids = tokens(model.config.vocab_size)
-    assert torch.equal(logits(loaded.model, ids), logits(model, ids))
-    assert layer_geometries(loaded.model) == layer_geometries(model)
-    assert loaded.provenance["method"] == {"scorer": "variance"}
 
 
 def test_interrupted_save_leaves_nothing(tmp_path):
@@ -286,14 +216,6 @@ def test_the_manifest_weights_cannot_point_elsewhere(tmp_path, weights, message)
     path.write_text(json.dumps({**json.loads(path.read_text()), "weights": weights}))
     with pytest.raises(ValueError, match=message):
         load_pruned(tmp_path / "a")
-
-
-def test_a_manifest_without_checksums_loads_with_a_warning(tmp_path, caplog):
-    model = pruned_tiny()
-    save_format_1(model, tmp_path / "v1")
-    ids = tokens(model.config.vocab_size)
-    assert torch.equal(logits(load_pruned(tmp_path / "v1").model, ids), logits(model, ids))
-    assert "has no recorded sha256" in caplog.text
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers: seconds

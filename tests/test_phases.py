@@ -129,18 +129,18 @@ def test_phase_two_runs_zero_shot_only_at_the_argmin_of_the_calibration_perplexi
     assert (summary.ok, summary.failed, summary.best_ok, summary.best_failed) == (4, 0, 1, 0)
     entries = Store(tmp_path).entries()
     assert [e.cell_id for e in entries[:4]] == [c.id for c in cells]  # the matrix's ids, unchanged
-    grid = [e for e in entries[:4] if "lam" in e.cell["prune"]["compensator_params"]]
+    grid = [e for e in entries[:4] if "lam" in e.cell.prune["compensator_params"]]
     assert [e.phase for e in entries[:4]] == ["ppl", "ppl", "ppl", None]
-    assert all("zeroshot" not in e.record for e in grid)
-    assert "zeroshot" in entries[3].record and entries[3].cell["method"] == "rcpu-rot"
+    assert all(e.record.zeroshot is None for e in grid)
+    assert entries[3].record.zeroshot is not None and entries[3].cell.method == "rcpu-rot"
     # The chosen λ is the argmin of the phase-1 calibration perplexities, computed here.
-    argmin = min(grid, key=lambda e: e.record["calibration_ppl"])
-    assert len({e.record["calibration_ppl"] for e in grid}) == 3  # a real choice
+    argmin = min(grid, key=lambda e: e.record.calibration_ppl)
+    assert len({e.record.calibration_ppl for e in grid}) == 3  # a real choice
     best = entries[4]
     assert best.cell_id == argmin.cell_id and best.status == "ok"
     assert (best.phase, best.lambda_rule) == ("lambda_best", "paper")
     assert best.chosen_from == [e.cell_id for e in grid]
-    assert best.record == {**argmin.record, "zeroshot": best.record["zeroshot"]}
+    assert best.record == replace(argmin.record, zeroshot=best.record.zeroshot)
     # Zero-shot ran twice (rcpu-rot, λ_best), and five prunings: four cells and the re-pruned λ_best.
     assert len(zeroshot.calls) == 2 and len(prunings) == 5
     # The re-run measures the calibration perplexity (its check) but not the evaluation's, which phase 1 has.
@@ -148,8 +148,8 @@ def test_phase_two_runs_zero_shot_only_at_the_argmin_of_the_calibration_perplexi
     assert chosen.ppl_profiles and prunings[-1] == replace(chosen, ppl_profiles=())
     # Re-pruning is bit-identical: the weights zero-shot saw are those of an independent run of the chosen cell.
     independent = run_experiment(prunings[-1], progress=False, evaluate=lambda model, _: {"w": weights_digest(model)})
-    assert best.record["zeroshot"]["weights"] == independent.extra["w"]
-    assert best.reproduced == {"identical": True, "calibration_ppl": [argmin.record["calibration_ppl"]] * 2}
+    assert best.record.zeroshot["weights"] == independent.extra["w"]
+    assert best.reproduced == {"identical": True, "calibration_ppl": [argmin.record.calibration_ppl] * 2}
     # A rerun has nothing left to do.
     again = run_matrix(matrix, tmp_path, progress=False)
     assert (again.skipped, again.ok, again.best_skipped, again.best_ok) == (4, 0, 1, 0)
@@ -192,7 +192,7 @@ def test_a_failed_zero_shot_at_lambda_best_is_recorded_and_retried_without_redoi
     retry = run_matrix(matrix, tmp_path, progress=False)
     assert (retry.skipped, retry.ok, retry.best_ok) == (3, 0, 1) and len(prunings) == 1
     latest = Store(tmp_path).latest()[failed.cell_id]
-    assert latest.status == "ok" and "zeroshot" in latest.record
+    assert latest.status == "ok" and latest.record.zeroshot is not None
 
 
 @pytest.mark.slow

@@ -66,8 +66,8 @@ def test_tiny_scale_model_loads_prunes_and_evaluates(tmp_path):
 
     record = run_experiment(Experiment(model=str(out), prune=PruneConfig(compensator="procrustes", ratio=0.25),
                                        calib="tinystories:4x32", ppl_profiles=("tinystories[0:4]",)), progress=False)
-    assert record.parameters["after"] < record.parameters["before"]
-    assert torch.isfinite(torch.tensor(record.perplexity[0]["ppl"]))
+    assert record.parameters.after < record.parameters.before
+    assert torch.isfinite(torch.tensor(record.perplexity[0].ppl))
 
 
 def test_existing_output_directory_is_refused(tmp_path, capsys):

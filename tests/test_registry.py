@@ -4,6 +4,7 @@ from importlib import metadata
 
 import pytest
 import torch
+from tiny_models import tiny_config, tiny_model
 
 from rcpu_bench import registry as registry_module
 from rcpu_bench.cli import main
@@ -11,6 +12,7 @@ from rcpu_bench.compensation import compensators
 from rcpu_bench.compensation.compensators import Compensation
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.plugins import default_registry, plugin_manager
+from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.registry import PluginContractError, build_registry, make_method
 from rcpu_bench.selection import scorers
 from rcpu_bench.statistics.activations import ActivationStats
@@ -69,8 +71,8 @@ def test_plugin_methods_show_up_with_provider_params_and_description():
 
 
 def names(registry, kind: str) -> list[str]:
-    """Method names from the built-in plugin and the test's own (other installed plugins are ignored)."""
-    return [m.name for m in registry.methods(kind) if m.provider.startswith(("builtin", "toy"))]
+    """Method names from the built-in plugins and the test's own (other installed plugins are ignored)."""
+    return [m.name for m in registry.methods(kind) if m.provider.startswith(("builtin", "rcpu_bench.methods.", "toy"))]
 
 
 def test_plugin_methods_are_listed_next_to_builtins():
@@ -113,11 +115,24 @@ def test_builtins_are_registered_with_provider_and_needs():
     builtins = [m for m in registry.methods("scorer") + registry.methods("compensator") if m.name in
                 BUILTIN_SCORERS + BUILTIN_COMPENSATORS]
     for method in builtins:
-        assert method.provider.startswith("builtin (rcpu-bench")
+        assert method.provider.startswith(("builtin (rcpu-bench", "rcpu_bench.methods."))
         assert method.description
     needs = {m.name: m.needs for m in registry.methods("compensator") if m.name in BUILTIN_COMPENSATORS}
     assert needs == {"flap-bias": "moments", "none": "moments", "procrustes": "output_cross", "ridge": "gram",
                      "scaled-procrustes": "gram", "slimllm": "gram", "olica": "gram"}
+
+
+def test_each_peer_method_is_a_plugin_of_its_own_package_and_the_harness_methods_are_builtin():
+    registry = default_registry()
+    peers = {("allocation", "search"): "search", ("model-method", "shortgpt"): "depth",
+             ("model-method", "replaceme"): "depth", ("compensator", "slimllm"): "slimllm",
+             ("compensator", "olica"): "olica", ("scorer", "minitron"): "minitron"}
+    for (kind, name), package in peers.items():
+        assert registry.get(kind, name).provider.startswith(f"rcpu_bench.methods.{package} (rcpu-bench ")
+    harness = [m for kind in ("scorer", "selector", "compensator", "allocation") for m in registry.methods(kind)
+               if (kind, m.name) not in peers]
+    assert harness and all(m.provider.startswith("builtin (rcpu-bench ") for m in harness)
+    assert registry.get("model-method", "shortgpt").check is not None  # the depth baselines' check, with the ratio
 
 
 def test_builtin_params_are_keyword_only_defaults():
@@ -303,7 +318,8 @@ def test_an_installed_builtin_entry_point_is_not_registered_twice(monkeypatch):
     registry = build_registry(plugin_manager())
     assert registry.broken == {}
     assert [m.name for m in registry.methods("scorer")] == BUILTIN_SCORERS
-    assert all(m.provider.startswith("builtin (rcpu-bench") for m in registry.methods("compensator"))
+    assert all(m.provider.startswith(("builtin (rcpu-bench", "rcpu_bench.methods."))
+               for m in registry.methods("compensator"))
 
 
 def test_a_foreign_entry_point_named_builtin_is_reported_not_merged(monkeypatch):
@@ -358,3 +374,33 @@ def test_a_parameter_set_is_tried_once_and_a_rejected_one_every_time():
         with pytest.raises(ValueError, match="power=-1"):
             method.validate({"power": -1})
     assert calls == [2.0] + [-1] * 4  # each rejection tries without G, then with G (is it an undeclared need?)
+
+
+def test_a_model_methods_check_sees_the_ratio_before_any_weights_load():
+    def keep_half(model, calib_ids, *, ratio):
+        return {}
+
+    def at_most_half(model, /, *, ratio):
+        if ratio > 0.5:
+            raise ValueError(f"keep-half prunes at most half of a model; got ratio={ratio}")
+
+    class Plugin:
+        register_model_methods = staticmethod(hookimpl(lambda register: register("keep-half", keep_half,
+                                                                                 check=at_most_half)))
+
+    registry = registry_with(("keep-half", Plugin()), entry_points=False)
+    skeleton = tiny_model(tiny_config())
+    PruneConfig(model_method="keep-half", ratio=0.5).check_budget(skeleton, registry)
+    with pytest.raises(ValueError, match="at most half of a model; got ratio=0.6"):
+        PruneConfig(model_method="keep-half", ratio=0.6).check_budget(skeleton, registry)
+    with pytest.raises(ValueError, match="ratio=0.01 matches .* 0 of 3 layers"):  # the built-in depth methods' check
+        PruneConfig(model_method="shortgpt", ratio=0.01).check_budget(skeleton, registry)
+
+
+def test_a_model_methods_check_without_the_ratio_keyword_is_refused_at_registration():
+    with pytest.raises(ValueError, match=r"check='skeleton_only' does not take \(model, \*, ratio\)"):
+        make_method("model-method", "old", lambda model, calib_ids, *, ratio: {}, "old-plugin", check=skeleton_only)
+
+
+def skeleton_only(model):
+    """A check written for the hook before it passed the ratio."""

@@ -73,7 +73,7 @@ def test_a_rerun_reports_and_reruns_cells_whose_model_or_calibration_changed(tmp
     assert f"cell {first.cell_id} (mha | " in caplog.text and "its model changed" in caplog.text
     second = Store(results).entries()[-1]
     assert second.cell_id == first.cell_id and second.fingerprint["model"] == directory_hash(model)
-    assert second.record["perplexity"] != first.record["perplexity"]
+    assert second.record.perplexity != first.record.perplexity
 
     caplog.clear()
     _stories_corpus(corpus, 60)

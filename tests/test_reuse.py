@@ -14,7 +14,7 @@ from rcpu_bench.matrix.executors import LocalExecutor
 from rcpu_bench.matrix.reuse import LayerInputCache, capture_key
 from rcpu_bench.matrix.spec import expand
 from rcpu_bench.plugins import default_registry
-from rcpu_bench.pruning import pipeline
+from rcpu_bench.pruning import walk
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
 
 METHODS = [("wanda-sp", "none", {}), ("variance", "procrustes", {}), ("variance", "ridge", {"lam": 1.0}),
@@ -23,13 +23,13 @@ METHODS = [("wanda-sp", "none", {}), ("variance", "procrustes", {}), ("variance"
 
 def _count_captures(monkeypatch) -> list[int]:
     calls: list[int] = []
-    original = pipeline.capture
+    original = walk.capture
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "capture", counting)
+    monkeypatch.setattr(walk, "capture", counting)
     return calls
 
 
@@ -97,10 +97,10 @@ def test_a_matrix_run_with_reuse_records_the_same_numbers_and_captures_once(monk
     assert len(captures) == len(cells) + 1
     for a, b in zip(without, with_reuse, strict=True):
         assert a.status == b.status == "ok"
-        assert a.record["perplexity"] == b.record["perplexity"]
-        assert a.record["calibration_ppl"] == b.record["calibration_ppl"]
-        assert a.record["layers"] == b.record["layers"]
-        assert a.record["parameters"] == b.record["parameters"]
+        assert a.record.perplexity == b.record.perplexity
+        assert a.record.calibration_ppl == b.record.calibration_ppl
+        assert a.record.layers == b.record.layers
+        assert a.record.parameters == b.record.parameters
 
 
 def test_the_dense_model_is_one_cell_per_model_whatever_the_sizes_methods_and_ablation():

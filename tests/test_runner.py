@@ -9,17 +9,20 @@ import subprocess
 import sys
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from registries import builtin_registry
+from test_tables import entry as table_entry
+from test_tables import perplexity
 from tiny_matrices import tiny_matrix, tiny_raw, write_matrix
 from tiny_models import logits, needs_stories, tiny_config, tiny_model, tokens
 
 from rcpu_bench.commands import main
 from rcpu_bench.compensation import compensators
-from rcpu_bench.experiment import run_experiment
+from rcpu_bench.experiment import Experiment, run_experiment
 from rcpu_bench.hookspecs import hookimpl
 from rcpu_bench.matrix import executors
 from rcpu_bench.matrix.executors import ModelCache, clone_to, make_executor, run_cell
@@ -51,18 +54,18 @@ def test_a_run_stores_a_complete_entry_per_cell_and_a_rerun_skips_them(tmp_path)
     summary = run_matrix(matrix, tmp_path, progress=False)
     assert (summary.total, summary.ok, summary.failed, summary.skipped) == (3, 3, 0, 0)
     entries = Store(tmp_path).entries()
-    assert [e.cell["method"] for e in entries] == ["original", "wanda-sp", "rcpu-rot"]
+    assert [e.cell.method for e in entries] == ["original", "wanda-sp", "rcpu-rot"]
     for entry in entries:
         assert entry.status == "ok" and entry.error is None and entry.seconds > 0
-        assert entry.record["experiment"]["prune"]["ratio"] == entry.cell["prune"]["ratio"]
-        assert "ratio" not in entry.cell and "lam" not in entry.cell  # stored once, in prune
-        assert entry.record["perplexity"][0]["profile"] == "tinystories[900:920]"
-    removed = [e.record["parameters"]["removed_fraction"] for e in entries]
+        assert entry.record.experiment["prune"]["ratio"] == entry.cell.prune["ratio"]
+        assert "ratio" not in entry.cell.to_json() and "lam" not in entry.cell.to_json()  # stored once, in prune
+        assert entry.record.perplexity[0].profile == "tinystories[900:920]"
+    removed = [e.record.parameters.removed_fraction for e in entries]
     assert removed[0] == 0 < removed[1] == removed[2]
     # Every cell prunes its own copy of the cached dense model: the last one equals a run that loads the model.
     fresh = run_experiment(expand(matrix, REGISTRY)[-1].experiment(), progress=False)
-    assert entries[-1].record["perplexity"] == fresh.perplexity
-    assert entries[-1].record["calibration_ppl"] == fresh.calibration_ppl
+    assert entries[-1].record.perplexity == fresh.perplexity
+    assert entries[-1].record.calibration_ppl == fresh.calibration_ppl
     again = run_matrix(matrix, tmp_path, progress=False)
     assert (again.ok, again.failed, again.skipped) == (0, 0, 3) and len(Store(tmp_path).entries()) == 3
     rerun = run_matrix(tiny_matrix(["wanda-sp"]), tmp_path, resume=False, progress=False)
@@ -116,7 +119,7 @@ def test_failing_cells_are_recorded_with_their_traceback_the_run_goes_on_and_a_r
     matrix = tiny_matrix([faulty[0], "rcpu-rot", faulty[1]])
     summary = run_matrix(matrix, tmp_path, progress=False, registry=registry)
     assert (summary.ok, summary.failed) == (1, 2)
-    entries = {e.cell["method_label"]: e for e in Store(tmp_path).entries()}
+    entries = {e.cell.method_label: e for e in Store(tmp_path).entries()}
     assert entries["RCPU (Rot.)"].status == "ok"
     exploded, nan = entries["explode"].error, entries["nan-weights"].error
     for name in ("explode", "nan-weights"):
@@ -132,8 +135,9 @@ def test_failing_cells_are_recorded_with_their_traceback_the_run_goes_on_and_a_r
 
 def test_a_non_finite_perplexity_fails_the_cell(monkeypatch):
     (cell,) = expand(tiny_matrix(["rcpu-rot"]), REGISTRY)
-    record = Record(experiment={}, parameters={}, timing={}, peak_memory_bytes=0, calibration_ppl=5.0,
-                    perplexity=[{"profile": "tinystories[900:920]", "ppl": float("nan")}])
+    record = Record.from_json({**table_entry("rcpu-rot", 0.2, 14.0)["record"], "calibration_ppl": 5.0,
+                               "perplexity": [perplexity("tinystories[900:920]", 14.0)]})
+    record.perplexity = (replace(record.perplexity[0], ppl=float("nan")),)
     monkeypatch.setattr(executors, "run_experiment", lambda *args, **kwargs: record)
     entry = run_cell(cell, REGISTRY, ModelCache())
     assert entry.status == "failed" and entry.record is None
@@ -157,8 +161,8 @@ def fake_zeroshot(monkeypatch):
 def test_zeroshot_cells_evaluate_the_pruned_model_into_the_record(tmp_path, fake_zeroshot):
     run_matrix(tiny_matrix(["rcpu-rot"], eval=["ppl", "zeroshot"], zeroshot_limit=7), tmp_path, progress=False)
     (entry,) = Store(tmp_path).entries()
-    assert entry.record["zeroshot"] == {"mean": 0.5, "limit": 7,
-                                           "parameters": entry.record["parameters"]["after"]}
+    assert entry.record.zeroshot == {"mean": 0.5, "limit": 7,
+                                           "parameters": entry.record.parameters.after}
 
 
 @needs_stories
@@ -293,3 +297,29 @@ def test_run_prints_the_plan_then_plain_cell_lines_then_the_table_and_plots(caps
 
 def test_the_default_cell_seconds_follow_the_parameter_count():
     assert [default_cell_seconds(n) for n in (3e5, 1.1e9, 7e9, 7e10)] == [6.0, 300.0, 900.0, 1800.0]
+
+
+def test_each_cell_is_checked_once_and_its_run_checks_nothing_again(tmp_path, monkeypatch):
+    """Options per cell as the matrix expands, inputs (model config, tokenizer, windows, profiles) per setting and
+    budgets per cell before the first cell runs; the run itself neither checks nor reads the config or tokenizer
+    again."""
+    from collections import Counter
+
+    from rcpu_bench import experiment as experiment_module
+
+    calls: Counter[str] = Counter()
+
+    def counting(name, original):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return counted
+
+    for name in ("check_options", "check_inputs", "check_budget", "validate"):
+        monkeypatch.setattr(experiment_module.Experiment, name, counting(name, getattr(Experiment, name)))
+    for name in ("load_config", "load_tokenizer"):
+        monkeypatch.setattr(experiment_module, name, counting(name, getattr(experiment_module, name)))
+    summary = run_matrix(tiny_matrix(["wanda-sp", "rcpu-rot"], ratios=[0.1, 0.2], include_dense=True), tmp_path,
+                         progress=False, registry=REGISTRY)
+    assert summary.ok == 5
+    assert calls == {"check_options": 5, "check_inputs": 1, "check_budget": 5, "load_config": 1, "load_tokenizer": 1}

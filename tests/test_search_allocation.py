@@ -22,12 +22,12 @@ from rcpu_bench import hookimpl
 from rcpu_bench.cli import main
 from rcpu_bench.matrix.runner import run_matrix
 from rcpu_bench.matrix.store import Store
+from rcpu_bench.methods.search import driver, genome
+from rcpu_bench.methods.search.genome import Slot, offspring, removed, witness
 from rcpu_bench.model.loading import parameter_count
 from rcpu_bench.plugins import plugin_manager
-from rcpu_bench.pruning import search
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.pipeline import prune_model
-from rcpu_bench.pruning.search import Slot, offspring, removed, witness
 from rcpu_bench.records import read_records
 from rcpu_bench.registry import PluginContractError, build_registry
 
@@ -107,8 +107,8 @@ def test_offspring_remove_exactly_the_parents_parameters(seed, costs):
 
 
 def test_the_stage_plan_grows_the_tokens_and_narrows_the_survivors():
-    assert search.stage_plan(population=16, stages=3, growth=4, tokens=256, seqlen=128) == [(2, 4), (8, 1), (32, 1)]
-    assert search.stage_plan(population=128, stages=3, growth=8, tokens=2048, seqlen=4096) == [(1, 16), (4, 2), (32, 1)]
+    assert genome.stage_plan(population=16, stages=3, growth=4, tokens=256, seqlen=128) == [(2, 4), (8, 1), (32, 1)]
+    assert genome.stage_plan(population=128, stages=3, growth=8, tokens=2048, seqlen=4096) == [(1, 16), (4, 2), (32, 1)]
 
 
 # --- before any work -----------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def test_a_failing_search_hands_the_model_back_dense_and_removes_its_cache(monke
     def fail(*_):
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(search, "select_parent", fail)
+    monkeypatch.setattr(driver, "select_parent", fail)
     with pytest.raises(RuntimeError, match="interrupted"):
         run(model, cache=tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -287,6 +287,6 @@ def test_a_matrix_cell_with_the_searched_allocation(tmp_path):
     summary = run_matrix(tiny_matrix([method]), tmp_path / "results", progress=False, registry=REGISTRY)
     assert (summary.ok, summary.failed) == (1, 0)
     [entry] = Store(tmp_path / "results").entries()
-    searched = entry.record["method_report"]["allocation"]
+    searched = entry.record.method_report["allocation"]
     assert searched["removed_parameters"] == searched["budget_parameters"] and len(searched["fitness"]) == 2
-    assert math.isfinite(entry.record["perplexity"][0]["ppl"])
+    assert math.isfinite(entry.record.perplexity[0].ppl)

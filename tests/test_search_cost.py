@@ -22,8 +22,8 @@ from registries import builtin_registry
 from tiny_models import STORIES_MHA, needs_stories, tiny_config, tiny_model, tokens
 
 from rcpu_bench.cli import main
+from rcpu_bench.methods.search import fitness, genome, supernet
 from rcpu_bench.model import loading
-from rcpu_bench.pruning import search, search_cache
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.pipeline import prune_model
 
@@ -65,31 +65,31 @@ def test_the_token_estimate_is_what_the_selection_scores(population, stages, gro
                                                          seed):
     """Simulated generations of ``population`` offspring: every window scored counted, plus the dense targets and
     the start's fitness on all held-out windows."""
-    plan = search.stage_plan(population, stages, growth, tokens, seqlen)
+    plan = genome.stage_plan(population, stages, growth, tokens, seqlen)
     scored = 2 * plan[-1][0]
 
-    def score(genome, chosen):
+    def score(choice, chosen):
         nonlocal scored
         scored += len(chosen)
-        return random.Random(hash((genome, tuple(chosen)))).random()
+        return random.Random(hash((choice, tuple(chosen)))).random()
 
-    rng, parent, fitness = random.Random(seed), (-1,), 1.0
+    rng, parent, best = random.Random(seed), (-1,), 1.0
     for _ in range(generations):
         children = [(i,) for i in range(population)]
-        parent, fitness = search.select_parent(parent, fitness, children, score, plan, rng)
-    assert search_cache.scored_tokens(plan, population, generations, seqlen) == scored * seqlen
+        parent, best = genome.select_parent(parent, best, children, score, plan, rng)
+    assert fitness.scored_tokens(plan, population, generations, seqlen) == scored * seqlen
 
 
 def test_the_cache_size_estimate_bounds_what_the_search_writes(tmp_path, monkeypatch):
     estimates = []
-    check = search_cache.check_free_space
-    monkeypatch.setattr(search_cache, "check_free_space",
+    check = supernet.check_free_space
+    monkeypatch.setattr(supernet, "check_free_space",
                         lambda path, needed, *a, **k: (estimates.append(needed), check(path, needed, *a, **k)))
     kept = run(tiny_model(CONFIG), tmp_path, keep=True).method_report["allocation"]
     files = [p for p in Path(kept["cache"]).rglob("*") if p.is_file()]
     written = sum(p.stat().st_size for p in files)
     assert set(estimates) == {estimates[0]} and written == kept["cache_bytes"]
-    assert written <= estimates[0] <= written + len(files) * search_cache.FILE_OVERHEAD
+    assert written <= estimates[0] <= written + len(files) * supernet.FILE_OVERHEAD
 
 
 # --- refused before the model loads ---------------------------------------------------------------------------------

@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
+from test_tables import perplexity
 
 from rcpu_bench.matrix.store import Entry, StoredResult
+from rcpu_bench.records import Perplexity
 from rcpu_bench.tables.significance import (
     OLD_WINDOWS,
     accuracy_difference,
@@ -22,9 +24,9 @@ from rcpu_bench.tables.significance import (
 )
 
 
-def entry(nll, targets, profile="rcpu128[0:40]"):
-    return {"profile": profile, "window_nll": list(nll), "window_targets": list(targets),
-            "ppl": math.exp(sum(nll) / sum(targets))}
+def entry(nll, targets, profile="rcpu128[0:40]") -> Perplexity:
+    return Perplexity.from_json({**perplexity(profile, math.exp(sum(nll) / sum(targets))),
+                                 "window_nll": list(nll), "window_targets": list(targets)})
 
 
 def scipy_ppl_interval(nll_a, nll_b, targets):
@@ -75,7 +77,7 @@ def test_different_windows_are_refused():
     with pytest.raises(ValueError, match="not on the same windows"):
         ppl_difference(entry([1.0, 2.0], [1, 1]), entry([1.0, 2.0, 3.0], [1, 1, 1]))
     with pytest.raises(ValueError, match="no per-window values"):
-        ppl_difference({"profile": "rcpu128", "ppl": 3.0}, entry([1.0], [1]))
+        ppl_difference(Perplexity.from_json(perplexity("rcpu128", 3.0)), entry([1.0], [1]))
 
 
 def test_one_task_accuracy_matches_scipy_and_tasks_are_averaged():
@@ -112,12 +114,14 @@ def store_line(method: str, ratio: float, nll: list[float], items: list[float] |
     prune = {**PruneConfig().to_dict(), **RECIPES[method].prune, "ratio": ratio}
     cell = {"matrix": "m", "model": "/m", "model_label": "M", "revision": None, "method": method,
             "method_label": RECIPES[method].label, "n_calib": 8, "seqlen": 64, "calib": "tinystories:8x64",
-            "prune": prune, "ppl_profiles": ["p"], "eval": ["ppl"], "dtype": "float32", "device": "cpu"}
+            "prune": prune, "ppl_profiles": ["p"], "eval": ["ppl"], "dtype": "float32", "device": "cpu",
+            "eval_batch_size": 8, "zeroshot_limit": None, "skip": []}
     targets = [64] * len(nll)
     record = {"experiment": {"prune": prune}, "parameters": {"before": 10, "after": 8, "removed_fraction": 0.2},
-              "perplexity": [{"profile": profile, "ppl": math.exp(sum(nll) / sum(targets)),
+              "perplexity": [{**perplexity(profile, math.exp(sum(nll) / sum(targets))),
                               **({"window_nll": nll, "window_targets": targets} if windows else {})}],
-              "calibration_ppl": 2.0, "timing": {"total_seconds": 1.0, "layers": []}, "peak_memory_bytes": 1}
+              "calibration_ppl": 2.0, "timing": {"total_seconds": 1.0, "prune_seconds": {}, "layers": []},
+              "peak_memory_bytes": 1, "schema_version": 1}
     if items is not None:
         record["zeroshot"] = {"tasks": {task: {"metric": metric, metric: sum(items) / len(items), "items": items}
                                         for task, metric in METRIC_MAPS["paper"].items()}}

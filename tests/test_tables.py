@@ -7,6 +7,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -23,8 +24,9 @@ from rcpu_bench.experiment import Experiment, run_experiment
 from rcpu_bench.matrix.store import Entry, StoredResult, read_results
 from rcpu_bench.pruning.methods import RECIPES
 from rcpu_bench.pruning.options import PruneConfig
+from rcpu_bench.pruning.timing import PHASES
 from rcpu_bench.tables import results as values
-from rcpu_bench.tables.layout import spec
+from rcpu_bench.tables.layout import selected, spec
 from rcpu_bench.tables.paper import PaperNumbers, mark_disagreements, paper_table, read_paper
 from rcpu_bench.tables.render import latex_power_of_ten, render
 from rcpu_bench.tables.table import rank_marks, table_marks
@@ -35,7 +37,8 @@ PRUNE_DEFAULTS: dict[str, Any] = {  # PruneConfig's fields and defaults, as a re
     "scorer": "variance", "compensator": "procrustes", "ratio": 0.2, "scorer_params": {}, "compensator_params": {},
     "rounding": "floor", "prune": ["attention", "mlp"], "compensate": ["attention", "mlp"], "gqa_rule": "group",
     "head_aggregation": "sum", "statistics": "sequential", "structure": "uniform", "recollect_mlp": False,
-    "offload": False, "batch_size": 8}
+    "offload": False, "batch_size": 8, "gram_precision": "mixed", "model_method": None, "model_method_params": {},
+    "allocation": "uniform", "allocation_params": {}, "holdout": 0, "round_to": 0}
 SIZES = {"Llama-7B": 6_738_415_616, "Llama-2-13B": 13_015_864_320}
 
 
@@ -53,21 +56,20 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
             "method": method if alias else "custom", "method_label": label or alias.label,
             "n_calib": n_calib, "seqlen": seqlen, "calib": f"wikitext2:{n_calib}x{seqlen}", "prune": config,
             "ppl_profiles": ["rcpu128"], "eval": ["ppl"] + (["zeroshot"] if zeroshot else []),
-            "dtype": "float32", "device": "cuda"}
-    layers = [{"layer": i, "statistics": prune_seconds / n_layers / 2, "solve": prune_seconds / n_layers / 2}
-              for i in range(n_layers)]
+            "dtype": "float32", "device": "cuda", "eval_batch_size": 8, "zeroshot_limit": None, "skip": []}
+    layers = [{"layer": i, "statistics": prune_seconds / n_layers / 4, "solve": prune_seconds / n_layers / 2}
+              for i in range(n_layers)]  # the run's seconds of a layer phase are its layers' (below)
     record = {
         "experiment": {"model": cell["model"], "prune": config, "calib": cell["calib"], "ppl_profiles": ["rcpu128"],
                        "dtype": "float32"},
         "parameters": {"before": SIZES[model], "after": params_after,
                        "removed_fraction": 1 - params_after / SIZES[model]},
-        "perplexity": [] if ppl is None else [{"profile": "rcpu128", "ppl": ppl, "n_windows": 2654,
-                                                "n_tokens": 339712, "seqlen": 128}],
+        "perplexity": [] if ppl is None else [perplexity("rcpu128", ppl)],
         "calibration_ppl": calibration_ppl,
         "timing": {"total_seconds": 2 * prune_seconds, "layers": layers,
                    "prune_seconds": {"capture": 0.25 * prune_seconds, "statistics": 0.25 * prune_seconds,
                                      "solve": 0.5 * prune_seconds}},
-        "peak_memory_bytes": peak_bytes,
+        "peak_memory_bytes": peak_bytes, "schema_version": 1,
     }
     if zeroshot:
         record["zeroshot"] = zeroshot
@@ -75,6 +77,14 @@ def entry(method: str, ratio: float, ppl: float | None = None, *, model: str = "
     return {"cell_id": cell_id, "status": status, "error": None, "cell": cell,
             "record": record if status == "ok" else None, "finished_at": "2026-11-22T08:00:00+00:00",
             "seconds": 2 * prune_seconds}
+
+
+def perplexity(profile: str, ppl: float, **windows: list[float]) -> dict[str, Any]:
+    """A perplexity entry as a record stores it (the paper's WikiText-2 windows), with ``window_nll`` and
+    ``window_targets`` when given."""
+    return {"profile": profile, "ppl": ppl, "n_windows": 2654, "n_tokens": 339712, "seqlen": 128,
+            "dataset": "wikitext2/test", "dataset_sha256": "0" * 64, "nll_mean": math.log(ppl), "batch_size": 8,
+            **windows}
 
 
 def stored(entries: list[dict[str, Any]]) -> list[StoredResult]:
@@ -305,16 +315,17 @@ def test_efficiency_table_reports_the_pruned_models_size_beside_peak_memory():
                entry("rcpu-rot", 0.1, 13.55, params_after=6_100_000_000, peak_bytes=3 * 2**30, prune_seconds=267.52)]
     (table,) = tables_of(entries, "efficiency")
     assert [c.header for c in table.columns] == ["Params", "Model size (MiB)", "Peak memory (MiB)", "Seconds per layer",
-                                                 "statistics s/layer", "score s/layer", "solve s/layer",
-                                                 "forward s/layer", "Device", "Prefill tok/s", "Decode tok/s"]
-    # Model size: float32 weights, 4 bytes a parameter. The synthetic layers split each layer's prune_seconds / 32
-    # evenly into statistics and solve; no score or forward timings, no environment or experiment device and no
-    # inference measurement (blank).
+                                                 "capture s/layer", "statistics s/layer", "solve s/layer", "Device",
+                                                 "Prefill tok/s", "Decode tok/s"]
+    # Model size: float32 weights, 4 bytes a parameter. The synthetic runs spend a quarter of their prune_seconds
+    # capturing, a quarter on statistics and half solving, over 32 layers; the phases no run timed (score,
+    # forward, ...) have no column; no environment or experiment device and no inference measurement (blank).
     dense_mib, pruned_mib = 6_738_415_616 * 4 / 2**20, 6_100_000_000 * 4 / 2**20
-    assert grid(table) == [("Original", 0.0, 6_738_415_616, pytest.approx(dense_mib), 25_705.0, 0.0, 0.0, None, 0.0,
-                            None, None, None, None),
+    assert grid(table) == [("Original", 0.0, 6_738_415_616, pytest.approx(dense_mib), 25_705.0, 0.0, 0.0, 0.0, 0.0,
+                            None, None, None),
                            ("RCPU (Rot.)", 0.1, 6_100_000_000, pytest.approx(pruned_mib), 3072.0, pytest.approx(8.36),
-                            pytest.approx(267.52 / 64), None, pytest.approx(267.52 / 64), None, None, None, None)]
+                            pytest.approx(267.52 / 128), pytest.approx(267.52 / 128), pytest.approx(267.52 / 64), None,
+                            None, None)]
     assert round(dense_mib) == 25_705  # the paper's "Memory size" of Llama-7B in FP32
     assert "| RCPU (Rot.) | 10%  | 6.10B    | 23,270             | 3,072               | 8.36 " in render([table], "md")
 
@@ -325,7 +336,7 @@ def test_sizes_and_memory_are_never_marked_but_seconds_are():
                entry("flap", 0.1, 14.1, params_after=5_900_000_000, peak_bytes=1 * 2**30, prune_seconds=300.0)]
     (table,) = tables_of(entries, "efficiency")
     marked = {table.columns[j].header for (_, j), _ in table_marks(table).items()}
-    assert marked == {"Seconds per layer", "statistics s/layer", "solve s/layer"}
+    assert marked == {"Seconds per layer", "capture s/layer", "statistics s/layer", "solve s/layer"}
 
 
 def test_model_size_needs_a_known_dtype():
@@ -340,16 +351,32 @@ def test_efficiency_table_shows_the_measured_device_and_generation_speed():
     timed["record"]["timing"]["layers"] = [
         {"layer": 0, "statistics": 0.5, "score": 0.25, "solve": 2.0, "forward": 1.0},
         {"layer": 1, "statistics": 1.5, "score": 0.75, "solve": 4.0, "forward": 3.0}]
+    timed["record"]["timing"]["prune_seconds"] = {"capture": 0.5, "statistics": 2.0, "score": 1.0, "solve": 6.0,
+                                                  "forward": 4.0}
     timed["record"]["environment"] = {"device_name": "NVIDIA H100 80GB HBM3", "threads": 8}
     timed["record"]["inference"] = {"batch_size": 1, "prompt_tokens": 128, "new_tokens": 64,
                                     "prefill_tokens_per_s": 12345.6, "decode_tokens_per_s": 78.9, "device": "cuda"}
     untimed = entry("wanda-sp", 0.1, 14.0)
     (table,) = tables_of([timed, untimed], "efficiency")
     rows = {row.label: row.cells[4:] for row in table.rows}
-    assert rows["RCPU (Rot.)"] == (1.0, 0.5, 3.0, 2.0, "NVIDIA H100 80GB HBM3", 12345.6, 78.9)
+    assert rows["RCPU (Rot.)"] == (0.25, 1.0, 0.5, 3.0, 2.0, "NVIDIA H100 80GB HBM3", 12345.6, 78.9)
     assert rows["WANDA-sp"][-3:] == (None, None, None)
     text = render([table], "md")
     assert "NVIDIA H100 80GB HBM3" in text and "12,346" in text and "| 79 " in text
+
+
+def test_every_declared_phase_has_a_column_in_the_tables_of_slots_that_timed_it():
+    phases = ["allocation", "capture", "statistics", "score", "solve", "forward", "holdout", "offload"]
+    assert list(PHASES) == phases  # the declaration the pipeline times and the table reads
+    timed = entry("rcpu-rot", 0.1, 13.55, n_layers=4)
+    timed["record"]["timing"]["prune_seconds"] = {phase: float(i + 1) for i, phase in enumerate(phases)}
+    other_model = entry("rcpu-rot", 0.1, 9.0, model="Llama-2-13B")  # capture, statistics and solve only
+    every, some = tables_of([timed, other_model], "efficiency")
+    headers = [c.header for c in every.columns]
+    assert headers[headers.index("Seconds per layer") + 1:headers.index("Device")] == [f"{p} s/layer" for p in phases]
+    assert every.rows[0].cells[4:12] == tuple((i + 1) / 4 for i in range(8))
+    assert [c.header for c in some.columns if c.header.endswith("s/layer")] == [
+        "capture s/layer", "statistics s/layer", "solve s/layer"]
 
 
 def test_llama_cpp_speed_columns_appear_only_in_the_tables_of_slots_that_measured_it():
@@ -426,7 +453,7 @@ def test_paper_efficiency_rows_are_original_and_rcpu_rot_for_every_ncalib(small_
 
 def test_paper_reference_needs_the_papers_profile(small_paper):
     entries = [entry("rcpu-rot", 0.1, 13.6)]
-    entries[0]["record"]["perplexity"].append({"profile": "std2048", "ppl": 6.0})
+    entries[0]["record"]["perplexity"].append(perplexity("std2048", 6.0))
     with pytest.raises(ValueError, match="profile rcpu128; got --profile std2048"):
         tables_of(entries, "ppl", profile="std2048", paper=small_paper)
 
@@ -558,8 +585,8 @@ def test_csv_has_raw_numbers_and_no_marks():
 @pytest.mark.parametrize("call, message", [
     (lambda: render([], "html"), "'html'; allowed: md, latex, csv"),
     (lambda: spec("accuracy"),
-     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, ranking, generalisation, "
-     "main-effects, all"),
+     "'accuracy'; allowed: ppl, ppl-other, zeroshot, zeroshot-other, ablation, efficiency, ranking, ranking-ppl, "
+     "generalisation, main-effects, all"),
     (lambda: tables_of(ppl_entries(), lambda_rule="median"), "'median'; allowed: paper, holdout"),
 ])
 def test_bad_names_are_reported_with_the_allowed_ones(call, message):
@@ -638,13 +665,25 @@ def test_a_ratio_that_removes_no_head_is_in_the_record_and_marked_on_its_row():
     heads = {ratio: sum(layer["attention"]["units_pruned"] for layer in record.layers)
              for ratio, record in records.items()}
     assert heads == {0.2: 0, 0.3: 5}  # one group of each of the 5 layers at 30 %
-    assert records[0.2].parameters["unpruned_modules"] == ["attention"]
-    assert "unpruned_modules" not in records[0.3].parameters
+    assert records[0.2].parameters.unpruned_modules == ("attention",)
+    assert records[0.3].parameters.unpruned_modules is None
     entries = []
     for ratio, record in records.items():
         stored_entry = entry("wanda-sp", ratio, 10.0)
         stored_entry["record"] = {**stored_entry["record"], "layers": record.layers,
-                                  "parameters": record.parameters}
+                                  "parameters": record.parameters.to_json()}
         entries.append(stored_entry)
     (table,) = tables_of(entries, "ppl")
     assert [row[0] for row in grid(table)] == ["WANDA-sp [MLP channels only: the ratio removes no head]", "WANDA-sp"]
+
+
+def test_a_row_filter_keeps_the_rows_it_matches_and_a_ranking_compares_them_alone():
+    entries = [entry("rcpu-rot", 0.1, 13.0), entry("wanda-sp", 0.1, 14.0), entry("flap", 0.1, 15.0),
+               entry("rcpu-rot", 0.2, 16.0), entry("original", 0.0, 12.0)]
+    results = stored(entries)
+    kept = selected(results, r"RCPU \(Rot\.\)|FLAP", (0.1,))
+    assert sorted((r.ratio, r.cell.method) for r in kept) == [(0.1, "flap"), (0.1, "rcpu-rot")]
+    assert [(r.cell.method, r.ratio) for r in selected(results, "Original")] == [("original", 0.0)]
+    assert selected(results, "RCPU") == []  # the whole label must match
+    (table,) = make_tables(kept, "ppl")
+    assert [row[:2] for row in grid(table)] == [("FLAP", 0.1), ("RCPU (Rot.)", 0.1)]

@@ -188,8 +188,8 @@ def test_a_failed_cell_is_a_failed_run_with_its_error_and_entry_logged_after_it_
         entry = entries[run.data.tags["rcpu_bench.cell_id"]]
         assert run.info.status == ("FINISHED" if entry.ok else "FAILED")
         assert run.data.tags["rcpu_bench.status"] == entry.status
-        assert run.data.params == {k: str(v) for k, v in pd.json_normalize(entry.cell, sep=".").to_dict("records")[0]
-                                   .items()}
+        cell = pd.json_normalize(entry.cell.to_json(), sep=".").to_dict("records")[0]
+        assert run.data.params == {k: str(v) for k, v in cell.items()}
         logged = client.download_artifacts(run.info.run_id, "record.json", str(tmp_path / run.info.run_id))
         assert json.loads(Path(logged).read_text()) == entry.to_json()
         if not entry.ok:

@@ -2,8 +2,8 @@
 
 One source: every subcommand's options come from its real parser (``rcpu_bench.commands.subcommand_parser``); the
 run options of ``prune`` (also a matrix's ``prune:`` keys) from ``rcpu_bench.pruning.options.markdown_table``, the
-experiment-level options of the commands that load a model from ``rcpu_bench.experiment_options.markdown_table``
-and a matrix's top-level keys from ``rcpu_bench.matrix.spec.key_table``. Nothing of the page is written by hand, so
+experiment-level options of the commands that load a model from ``rcpu_bench.experiment.markdown_table`` and a
+matrix's top-level keys from ``rcpu_bench.matrix.spec.key_table``. Nothing of the page is written by hand, so
 it cannot fall behind the code. ``mkdocs.yml`` loads this module as a hook; ``python docs/hooks/cli_reference.py``
 prints the page.
 """
@@ -95,11 +95,11 @@ def _recipe_options(prune: dict[str, Any]) -> str:
 
 def declared_flags() -> dict[str, set[str]]:
     """The flags of the shared tables: the run options and the experiment-level options."""
-    from rcpu_bench import experiment_options
+    from rcpu_bench import experiment
     from rcpu_bench.pruning import options
 
     return {"run options": {option.flag for option in options.OPTIONS},
-            "experiment options": {option.flag for option in experiment_options.TABLED}}
+            "experiment options": {option.flag for option in experiment.OPTIONS}}
 
 
 def command_section(name: str, summary: str, parser: argparse.ArgumentParser, shared: dict[str, set[str]]) -> str:
@@ -122,7 +122,7 @@ def command_section(name: str, summary: str, parser: argparse.ArgumentParser, sh
 
 def render() -> str:
     """The whole page, Markdown."""
-    from rcpu_bench import experiment_options
+    from rcpu_bench import experiment
     from rcpu_bench.commands import COMMANDS, build_parser, subcommand_parser
     from rcpu_bench.matrix import schema
     from rcpu_bench.matrix.entries import CALIB_KEYS, MODEL_KEYS
@@ -170,16 +170,17 @@ def render() -> str:
         "",
         "## Experiment options",
         "",
-        "The options of every command that loads a model (`prune`, `eval`, `generate`, `speed`), declared once in "
-        "`rcpu_bench/experiment_options.py`. A matrix takes `dtype`, `device`, `eval_batch_size` and "
-        "`zeroshot_limit` as top-level keys and `revision` per model.",
+        "The options of every command that loads a model (`prune`, `eval`, `generate`, `speed`), declared once as "
+        "the fields of `Experiment` (`rcpu_bench/experiment.py`). A matrix takes `dtype`, `device` and "
+        "`eval_batch_size` as top-level keys and `revision` per model.",
         "",
-        declared_table(experiment_options.markdown_table()),
+        declared_table(experiment.markdown_table()),
         "",
         "## Matrix keys",
         "",
-        "The top-level keys of a matrix file (`rcpu-bench run --matrix FILE.yaml`), declared once in "
-        "`rcpu_bench/matrix/schema.py`. A bad key or value is reported with its location and what is allowed.",
+        "The top-level keys of a matrix file (`rcpu-bench run --matrix FILE.yaml`), declared once as the fields of "
+        "`Matrix` (`rcpu_bench/matrix/spec.py`). A bad key or value is reported with its location and what is "
+        "allowed.",
         "",
         declared_table(key_table()),
         "",

@@ -37,6 +37,7 @@ COMMANDS = {
     "generate": "greedy continuations of prompts by a model (and a second one to compare, e.g. the dense model)",
     "speed": "parameters and inference speed (prefill and decode tokens/s) of models",
     "export": "write a saved pruned model (or a model directory) as a GGUF file for llama.cpp",
+    "migrate": "bring result stores and saved pruned models written by earlier releases to today's format",
 }
 # What a user gives wrongly: a value out of range or unknown (ValueError, KeyError), a path (OSError:
 # FileNotFoundError, FileExistsError, a busy results store), an optional dependency not installed (ImportError).

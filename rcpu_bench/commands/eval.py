@@ -19,12 +19,13 @@ from typing import Any
 
 from tabulate import tabulate
 
-from rcpu_bench import console, experiment_options
+from rcpu_bench import console
 from rcpu_bench.atomic_file import follow_umask, staging_sibling, write_error, writing
 from rcpu_bench.commands import command
 from rcpu_bench.commands.shared import check_models
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS, TASKS
 from rcpu_bench.evaluation.zeroshot import SOURCES, TASK_FIELDS, check_output_path, plan_zeroshot, run_zeroshot
+from rcpu_bench.experiment import MODEL, add_flags
 from rcpu_bench.model.loading import model_source, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import check_not_input, check_output_dir, check_output_file
@@ -73,7 +74,7 @@ def format_table(result: dict[str, Any]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="hub id, Hugging Face model directory, or directory written by save_pruned / --save")
-    experiment_options.add_arguments(p, experiment_options.MODEL)
+    add_flags(p, MODEL)
     p.add_argument("--tasks", default=",".join(TASKS),
                    help="comma-separated lm-eval task, group or tag names (offline, the paper's seven read "
                    "the shipped local copies)")
@@ -85,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write lm-eval's results JSON here (a directory, or a .json file), as lm-eval does")
     p.add_argument("--log-samples", action="store_true",
                    help="also write every document, prompt and response under --output-path (lm-eval's samples)")
-    experiment_options.add_arguments(p, ["eval_batch_size"])
+    add_flags(p, ["eval_batch_size"])
     p.add_argument("--source", choices=SOURCES, default="auto",
                    help="data of the seven paper tasks: local files, the hub's datasets, or the hub when "
                    "reachable else local")

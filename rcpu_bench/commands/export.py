@@ -28,7 +28,6 @@ from rcpu_bench.export.gguf import (
 from rcpu_bench.model.adapter import decoder_layers, layer_view
 from rcpu_bench.model.loading import model_source
 from rcpu_bench.model.persistence import check_model_argument, load_saved_or_model, weightless_model
-from rcpu_bench.model.views import MODULES
 from rcpu_bench.paths import check_not_input, check_output_file
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.allocation import units_to_prune
@@ -110,9 +109,9 @@ def planned_rows(model: Any, prune: PruneConfig, registry: Registry) -> dict[str
     rows = {}
     for index, layer in enumerate(decoder_layers(model)):
         view = layer_view(layer)
-        for module in (m for m in MODULES if m in prune.prune):
+        for module in prune.pruned_modules:
             units = view.units(module, prune.gqa_rule)
-            n = view.geometry.n_heads if units.group_size > 1 else view.n_units(module)
+            n = view.n_units(module, prune.gqa_rule)
             name = gguf_name(f"{names[id(view.projection(module))]}.weight")
             rows[name] = (Q8_0_BLOCK if aligned else
                           (n - units_to_prune(units, n, ratios[index], prune.rounding)) * units.unit_size)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from rcpu_bench import console, experiment_options
+from rcpu_bench import console
 from rcpu_bench.commands import command
 from rcpu_bench.commands.shared import check_models
 from rcpu_bench.evaluation.generation import SAMPLE_PROMPT, check_length, greedy_continuation
+from rcpu_bench.experiment import MODEL, add_flags
 from rcpu_bench.model.persistence import load_saved_or_model
 from rcpu_bench.paths import default_model
 from rcpu_bench.plugins import default_registry
@@ -21,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", metavar="TEXT",
                    help=f"prompt to continue (repeatable; default {SAMPLE_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    experiment_options.add_arguments(p, experiment_options.MODEL)
+    add_flags(p, MODEL)
     console.add_quiet_option(p)
 
 

@@ -13,10 +13,12 @@ import contextlib
 from functools import partial
 from pathlib import Path
 
-from rcpu_bench import experiment_options, paths
+from rcpu_bench import paths
 from rcpu_bench.commands import INPUT_ERRORS, command, export
 from rcpu_bench.data import parse_calib
-from rcpu_bench.experiment import DEFAULT_CALIB, DEFAULT_PPL_PROFILES, Experiment, run_experiment
+from rcpu_bench.declaration import add_argument
+from rcpu_bench.experiment import DEFAULT_CALIB, DEFAULT_PPL_PROFILES, MODEL, Experiment, add_flags, run_experiment
+from rcpu_bench.matrix.spec import BY_KEY
 from rcpu_bench.model import real_models
 from rcpu_bench.model.loading import model_source
 from rcpu_bench.model.manifest import CARD
@@ -34,18 +36,18 @@ from rcpu_bench.tracking.trackers import open_trackers
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local model directory or Hugging Face hub id "
                    "(default: the stories260K-mha fixture in the shared directory)")
-    experiment_options.add_arguments(p, experiment_options.MODEL)
+    add_flags(p, MODEL)
     options.add_arguments(p)
     p.add_argument("--calib", default=DEFAULT_CALIB,
                    help="calibration data SOURCE[:NxSEQLEN][:seed=S]; sources wikitext2, tinystories, file:PATH")
     p.add_argument("--ppl", action="append", default=None, metavar="PROFILE",
                    help="perplexity profile(s): rcpu128, std2048, tinystories, tinystories[START:STOP] "
                         f"(default: {', '.join(DEFAULT_PPL_PROFILES)})")
-    experiment_options.add_arguments(p, ["eval_batch_size"])
+    add_flags(p, ["eval_batch_size"])
     p.add_argument("--data-dir", help="data directory (default: $RCPU_BENCH_DATA or ../shared/data)")
     p.add_argument("--save", metavar="DIR", help="save the pruned model (safetensors + shape manifest)")
     p.add_argument("--out", metavar="JSONL", help="append the result record to this file")
-    experiment_options.add_arguments(p, ["report_to"])
+    add_argument(p, BY_KEY["report_to"])  # a matrix's report_to, as a flag
     export.add_prune_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -53,11 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def summary(record: Record) -> str:
     """Parameters before and after, pruning time and peak memory, and each perplexity."""
     params = record.parameters
-    lines = [f"parameters: {params['before']:,} -> {params['after']:,} ({params['removed_fraction']:.2%} removed)",
-             f"pruning time: {sum(record.timing['prune_seconds'].values()):.1f} s, "
+    lines = [f"parameters: {params.before:,} -> {params.after:,} ({params.removed_fraction:.2%} removed)",
+             f"pruning time: {sum(record.timing.prune_seconds.values()):.1f} s, "
              f"peak memory {record.peak_memory_bytes / 2**20:.0f} MiB"]
-    lines += [f"ppl[{p['profile']}] = {p['ppl']:.4f}  ({p['n_windows']} windows, {p['n_tokens']:,} tokens, "
-              f"seqlen {p['seqlen']})" for p in record.perplexity]
+    lines += [f"ppl[{p.profile}] = {p.ppl:.4f}  ({p.n_windows} windows, {p.n_tokens:,} tokens, seqlen {p.seqlen})"
+              for p in record.perplexity]
     return "\n".join(lines)
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 from tabulate import tabulate
 from transformers.utils import logging as hf_logging
 
-from rcpu_bench import experiment_options
 from rcpu_bench.commands import command
+from rcpu_bench.declaration import add_argument
 from rcpu_bench.matrix.executors import EXECUTORS
 from rcpu_bench.matrix.phases import PHASE_LAMBDA_BEST, plan_phases
 from rcpu_bench.matrix.runner import RunSummary, run_matrix
-from rcpu_bench.matrix.spec import Cell, expand, load_matrix, shipped_matrices
+from rcpu_bench.matrix.spec import BY_KEY, Cell, expand, load_matrix, shipped_matrices
 from rcpu_bench.matrix.store import Entry, matrix_results_dir, read_results
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.tables import plots
@@ -112,5 +112,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", metavar="ADDR",
                    help="address of a running Ray cluster (default: start a local one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-cell lines")
-    experiment_options.add_arguments(p, ["report_to"])
+    add_argument(p, BY_KEY["report_to"])
     p.set_defaults(report_to=None)  # the matrix's report_to

@@ -9,12 +9,13 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from rcpu_bench import console, experiment_options
+from rcpu_bench import console
 from rcpu_bench.commands import command
 from rcpu_bench.commands.shared import check_models
 from rcpu_bench.declaration import positive_int
 from rcpu_bench.evaluation.speed import NEW_TOKENS, PROMPT_TOKENS, REPEATS, check_counts, inference_speed
 from rcpu_bench.evaluation.speed_llama_cpp import GGUF_DTYPE
+from rcpu_bench.experiment import MODEL, add_flags
 from rcpu_bench.export.gguf import DTYPES, check_dtype
 from rcpu_bench.model.loading import LoadedModel, parameter_count
 from rcpu_bench.model.persistence import load_saved_or_model
@@ -35,11 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "runs")
     p.add_argument("--threads", type=positive_int, help="llama.cpp threads (default: torch's intra-op threads, the "
                    "number transformers runs on)")
-    experiment_options.add_arguments(p, ["eval_batch_size"])
+    add_flags(p, ["eval_batch_size"])
     p.add_argument("--prompt-tokens", type=positive_int, default=PROMPT_TOKENS)
     p.add_argument("--new-tokens", type=positive_int, default=NEW_TOKENS)
     p.add_argument("--repeats", type=positive_int, default=REPEATS)
-    experiment_options.add_arguments(p, experiment_options.MODEL)
+    add_flags(p, MODEL)
     console.add_quiet_option(p)
 
 

@@ -4,6 +4,7 @@ options of every command that reads a store (``tables``, ``plots``)."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE, LAMBDA_RULES
 from rcpu_bench.matrix.spec import load_matrix
 from rcpu_bench.matrix.store import RECORDS, RESULTS_ROOT, matrix_results_dir, read_results
 from rcpu_bench.paths import check_not_input, check_output_file
-from rcpu_bench.tables.layout import TABLE_KINDS
+from rcpu_bench.tables.layout import TABLE_KINDS, selected
 from rcpu_bench.tables.paper import read_paper
 from rcpu_bench.tables.render import FORMATS, render
 from rcpu_bench.tables.results import PAPER_PROFILE, default_profile, without_profile
@@ -62,7 +63,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metric-map", default="paper", choices=list(METRIC_MAPS),
                    help="zero-shot metric per task (acc or acc_norm)")
     add_lambda_rule_option(p)
+    p.add_argument("--rows", metavar="REGEX", help="only the rows whose label fully matches this regular expression "
+                   "(e.g. 'RCPU.*|FLAP'); a ranking then compares these rows alone")
+    p.add_argument("--ratios", metavar="R1,R2", type=ratio_list, help="only the rows of these pruning ratios")
     p.add_argument("--out", metavar="FILE", help="write to this file instead of stdout")
+
+
+def ratio_list(text: str) -> tuple[float, ...]:
+    """``0.1,0.2``: pruning ratios."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: ratios separated by commas, e.g. "
+                                         "0.1,0.2") from None
+
+
+def row_pattern(text: str | None) -> str | None:
+    """``--rows``: a regular expression (ValueError naming it when it does not compile)."""
+    if text is not None:
+        try:
+            re.compile(text)
+        except re.error as error:
+            raise ValueError(f"--rows {text!r} is not a regular expression ({error}); allowed: e.g. "
+                             "'RCPU.*|FLAP'") from None
+    return text
 
 
 def check_out(out: str, results_dir: Path) -> None:
@@ -90,11 +114,13 @@ def run(args: argparse.Namespace) -> int:
     results_dir = results_dir_of(args)
     if args.out:
         check_out(args.out, results_dir)
+    rows = row_pattern(args.rows)
     stored = read_results(results_dir)
     paper = read_paper() if args.reference == "paper" else None
     profile = args.profile or default_profile(stored.results)
     unranked: list[str] = []
-    tables = make_tables(stored.results, args.table, profile=profile, metric_map=args.metric_map, paper=paper,
+    results = selected(stored.results, rows, args.ratios)
+    tables = make_tables(results, args.table, profile=profile, metric_map=args.metric_map, paper=paper,
                          lambda_rule=args.lambda_rule, left_out=unranked)
     text = render(tables, args.format)
     if args.out:

@@ -218,7 +218,7 @@ def flap_bias(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tens
     return problem.result(problem.wk, problem.w[:, pruned] @ stats.mean[pruned])
 
 
-def _require_definite(failed: bool, spectrum: Tensor, lam: float) -> None:
+def require_definite(failed: bool, spectrum: Tensor, lam: float) -> None:
     """Refuse a numerically singular G_KK + λI: its smallest pivot/eigenvalue must exceed k·eps·largest."""
     tolerance = len(spectrum) * torch.finfo(spectrum.dtype).eps * spectrum.abs().max()
     if failed or not (spectrum > tolerance).all():
@@ -226,7 +226,7 @@ def _require_definite(failed: bool, spectrum: Tensor, lam: float) -> None:
                          "columns?); use a larger lam")
 
 
-def _damping(problem: Problem, lam: float, lam_rel: float) -> tuple[float, dict[str, float | None]]:
+def relative_damping(problem: Problem, lam: float, lam_rel: float) -> tuple[float, dict[str, float | None]]:
     """λ = lam + lam_rel · mean diag G_KK (absolute, and relative on SparseGPT's ``percdamp`` scale), and the record of
     both scales: info["lambda"] = λ, info["lambda_rel"] = λ / mean diag G_KK (None when G_KK's diagonal is 0)."""
     if lam < 0 or lam_rel < 0:
@@ -255,13 +255,13 @@ def ridge(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, 
 
 def _ridge(problem: Problem, lam: float, lam_rel: float, compute: torch.dtype) -> Compensation:
     """``ridge`` on a problem whose shared products (R, W_DᵀW_D, the objective before) may be cached."""
-    lam, damping = _damping(problem, lam, lam_rel)
+    lam, damping = relative_damping(problem, lam, lam_rel)
     shifted = problem.kept_block().to(compute)  # A = G_KK + λI; problem.gkk stays unshifted
     shifted.diagonal().add_(lam)
     factor, fail = torch.linalg.cholesky_ex(shifted)  # A = L Lᵀ
     del shifted
     pivots = factor.diagonal().square()
-    _require_definite(bool(fail) or not torch.isfinite(pivots).all(), pivots, lam)
+    require_definite(bool(fail) or not torch.isfinite(pivots).all(), pivots, lam)
     delta, coupling = ridge_correction(problem, factor)
     new_weight = problem.wk + delta
     after = None

@@ -99,17 +99,6 @@ def bias_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation:
     return weight.shape[0]
 
 
-def affine_rows_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
-    """A scale and a bias per output row: 2·d_out."""
-    return 2 * weight.shape[0]
-
-
-def low_rank_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
-    """A rank-r update of the d_out × |K| kept weight (r = ``compensation.info["rank"]``): r·(d_out + |K| − r)."""
-    rank = int(compensation.info["rank"])
-    return rank * (weight.shape[0] + len(kept) - rank)
-
-
 def module_generalisation(weight: Tensor, calibration: ActivationStats, holdout: ActivationStats, kept: Tensor,
                           compensation: Compensation, dof: DegreesOfFreedom | None) -> dict[str, float | None]:
     """Calibration and held-out relative errors of one compensated module, and its degrees of freedom.

@@ -7,8 +7,8 @@ which does not change the result. A cell id hashes the run and request fields (:
 
 The ratio ρ and the ridge λ are stored once, inside ``prune`` (``prune.ratio``, ``prune.compensator_params.lam``):
 :attr:`Cell.ratio` and :attr:`Cell.lam` are derived (:data:`DERIVED`), and the id hashes them as the top-level
-``ratio`` and ``lam`` that stores written before kept beside ``prune`` (so ids are unchanged). Such an old
-stored cell reads when its copies agree with ``prune`` (:func:`stored_cell`).
+``ratio`` and ``lam`` that stores written by earlier releases kept beside ``prune`` (so ids are unchanged;
+``rcpu-bench migrate`` drops those copies, :mod:`rcpu_bench.matrix.migrate`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from rcpu_bench import experiment_options
+from rcpu_bench.experiment import BY_NAME as EXPERIMENT
 from rcpu_bench.experiment import Experiment
 from rcpu_bench.paths import shared_dir
 from rcpu_bench.pruning import options
 from rcpu_bench.pruning.options import MODULES, PruneConfig
 
 SHARED = "${shared}"
+MIGRATE = "written by an earlier rcpu-bench: convert its store with `rcpu-bench migrate RESULTS_DIR`"
 Role = Literal["run", "request", "label", "execution"]
 
 
@@ -68,7 +69,7 @@ class Cell:
     eval: tuple[str, ...] = _role("request")
     dtype: str = _role("run")
     device: str = _role("execution")
-    eval_batch_size: int = _role("execution", default=experiment_options.BY_NAME["eval_batch_size"].default)
+    eval_batch_size: int = _role("execution", default=EXPERIMENT["eval_batch_size"].default)
     zeroshot_limit: int | None = _role("run", unset=None, default=None)
     skip: tuple[str, ...] = _role("request", unset=[], default=())  # measurements left out (Experiment.skip)
 
@@ -81,14 +82,30 @@ class Cell:
         """The ridge λ of the compensator, None for a method without one."""
         return derived(self.prune, "lam")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         """The cell as JSON data (tuples as lists), as the store records it."""
         return json.loads(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Cell:
+        """A stored cell (JSON data) in today's format: every field and every pruning option given, nothing else
+        (ValueError naming what differs; a cell of an earlier release names ``rcpu-bench migrate``)."""
+        names = [f.name for f in fields(cls)]
+        missing, unknown = [n for n in names if n not in data], sorted(set(data) - set(names))
+        if missing or unknown:
+            what = "; ".join(f"{label} {', '.join(keys)}" for label, keys in
+                             (("no field", missing), ("the field(s)", unknown)) if keys)
+            raise ValueError(f"stored cell {data.get('model_label')!r} {data.get('method_label')!r} has {what}: "
+                             f"{MIGRATE}")
+        check_options(data["prune"], "its cell's prune")
+        values: dict[str, Any] = {name: tuple(data[name]) if isinstance(data[name], list) else data[name]
+                                  for name in names}
+        return cls(**values)
 
     @cached_property
     def id(self) -> str:
         """sha256 of the canonical JSON of what the cell computes (its run and request fields), 16 hex digits."""
-        return cell_id(self.to_dict())
+        return cell_id(self.to_json())
 
     def prune_config(self) -> PruneConfig:
         return options.from_dict(self.prune)
@@ -113,6 +130,17 @@ class Cell:
         number = isinstance(self.lam, (int, float))  # a bad λ (text) is shown as given, in the error that names it
         lam = "" if self.lam is None else f" λ={self.lam:g}" if number else f" λ={self.lam!r}"
         return f"{self.model_label} | {self.method_name()} | ρ={self.ratio:g} N={self.n_calib}{lam}"
+
+
+def check_options(prune: Mapping[str, Any], where: str) -> None:
+    """ValueError unless a stored pruning configuration has every option (``rcpu_bench.pruning.options``) and no
+    other key; one of an earlier release names ``rcpu-bench migrate``."""
+    missing, unknown = [n for n in options.BY_NAME if n not in prune], sorted(set(prune) - set(options.BY_NAME))
+    if missing:
+        raise ValueError(f"{where} has no option {', '.join(missing)}: {MIGRATE}")
+    if unknown:
+        raise ValueError(f"{where} has the unknown option(s) {', '.join(unknown)}; allowed: "
+                         f"{', '.join(options.BY_NAME)}")
 
 
 # The cell values stored once, inside ``prune`` (name: dotted path in ``prune``); each is a run field hashed
@@ -144,22 +172,10 @@ def _drop_unset(config: Mapping[str, Any], unset: Mapping[str, Any]) -> dict[str
     return {k: v for k, v in config.items() if not (k in unset and v == unset[k])}
 
 
-def stored_cell(cell: Mapping[str, Any]) -> dict[str, Any]:
-    """A stored cell (JSON data) with ρ and λ once, in ``prune``: the top-level copies that older stores kept are
-    dropped when they agree with ``prune``, a ValueError naming both values when they do not."""
-    kept = {k: v for k, v in cell.items() if k not in DERIVED}
-    for name, path in DERIVED.items():
-        if name in cell and cell[name] != derived(cell["prune"], name):
-            raise ValueError(f"stored cell {cell.get('model_label')!r} {cell.get('method_label')!r}: {name} "
-                             f"{cell[name]!r} disagrees with prune.{path} {derived(cell['prune'], name)!r}")
-    return kept
-
-
 def cell_id(cell: Mapping[str, Any]) -> str:
-    """The id of a cell given as its stored JSON data (old or new, :func:`stored_cell`): sha256 of the canonical
-    JSON of its hashed fields, the derived ρ and λ among them, with the fields (and options) added after cells
-    were stored left out while they hold their unset value."""
-    cell = stored_cell(cell)
+    """The id of a cell given as its stored JSON data: sha256 of the canonical JSON of its hashed fields, the derived
+    ρ and λ among them, with the fields (and options) added after cells were first stored left out while they hold
+    their unset value."""
     hashed = {**cell, **{name: derived(cell["prune"], name) for name in DERIVED}}
     config = _drop_unset({k: v for k, v in hashed.items() if k in HASHED}, HASHED_WHEN_SET)
     config["prune"] = _drop_unset(config["prune"], options.HASHED_WHEN_SET)

@@ -1,4 +1,5 @@
-"""What a matrix lists: its models, its method entries and its calibration grid, each declared as keys.
+"""What a matrix lists: its models, its method entries and its calibration grid, each a dataclass whose fields declare
+its keys (:func:`rcpu_bench.declaration.key`, :func:`rcpu_bench.declaration.reused`).
 
 A *method entry* (see the glossary of :mod:`rcpu_bench.pruning.methods`) is a recipe key, a named custom
 configuration or a scorers × compensators product; each resolves to :class:`MethodSpec` s, the option
@@ -12,8 +13,9 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
-from rcpu_bench import data, experiment_options
-from rcpu_bench.declaration import Option
+from rcpu_bench import data
+from rcpu_bench.declaration import Option, declared, key, reused
+from rcpu_bench.experiment import BY_NAME as EXPERIMENT
 from rcpu_bench.experiment import DEFAULT_CALIB
 from rcpu_bench.matrix.cells import SHARED, portable
 from rcpu_bench.matrix.schema import (
@@ -46,22 +48,19 @@ ALL = "all"
 class ModelSpec:
     """A model of the matrix: a local directory (``${shared}`` allowed) or a hub id, its label and revision."""
 
-    model: str
-    label: str
-    revision: str | None = None
+    model: str = key(lambda where, value: portable(text(where, value)),
+                     f"a local directory or a hub id; {SHARED} is the shared fixtures directory")
+    label: str = key(text, "the name the tables show (default: the last part of the path)", None)
+    revision: str | None = reused(EXPERIMENT["revision"])
 
 
-MODEL_KEYS = (matrix_key("model", lambda where, value: portable(text(where, value)),
-                         f"a local directory or a hub id; {SHARED} is the shared fixtures directory"),
-              matrix_key("label", text, "the name the tables show (default: the last part of the path)", None),
-              option_key(experiment_options.BY_NAME["revision"]))
+MODEL_KEYS = declared(ModelSpec)
 
 
 def read_model(where: str, entry: Any) -> ModelSpec:
     """A ``models`` item: a path or hub id, or a mapping of MODEL_KEYS."""
     entry = read_keys(where, {"model": entry} if isinstance(entry, str) else entry, MODEL_KEYS)
-    return ModelSpec(entry["model"], entry["label"] or entry["model"].rstrip("/").rsplit("/", 1)[-1],
-                     entry["revision"])
+    return ModelSpec(**{**entry, "label": entry["label"] or entry["model"].rstrip("/").rsplit("/", 1)[-1]})
 
 
 # ----------------------------------------------------------------------------------------------- methods
@@ -113,14 +112,20 @@ class CustomEntry:
         return [MethodSpec(dict(self.fields), self.name)]
 
 
+def _names(where: str, value: Any) -> tuple[str, ...] | str:
+    """``all`` or a list of registered names."""
+    return value if value == ALL else tuple(text(f"{where}[{i}]", name) for i, name in enumerate(items(where, value)))
+
+
 @dataclass(frozen=True)
 class ProductEntry:
     """Every scorer (or selector) × every compensator [× every allocation] of the lists (``all``: every registered
     one); without ``allocations`` the allocation is the matrix's."""
 
-    scorers: tuple[str, ...] | str
-    compensators: tuple[str, ...] | str
-    allocations: tuple[str, ...] | str | None = None
+    scorers: tuple[str, ...] | str = key(_names, f"registered scorers or selectors, or {ALL}")
+    compensators: tuple[str, ...] | str = key(_names, f"registered compensators, or {ALL}")
+    allocations: tuple[str, ...] | str | None = key(optional(_names), f"registered allocations or al-am, or {ALL} "
+                                                    "(default: the matrix's allocation)", None)
 
     def resolve(self, registry: Registry) -> list[MethodSpec]:
         scorers = self._names(self.scorers, registry.selection,
@@ -146,23 +151,15 @@ class ProductEntry:
         return [lookup(name).name for name in names]
 
 
+PRODUCT_KEYS = declared(ProductEntry)
 MethodEntry = RecipeEntry | CustomEntry | ProductEntry
 _METHOD_FORMS = ("a recipe key, a custom method {name, scorer, compensator, ...options} or a product "
                  "{scorers, compensators}")
 
 
-def _names(where: str, value: Any) -> tuple[str, ...] | str:
-    """``all`` or a list of registered names."""
-    return value if value == ALL else tuple(text(f"{where}[{i}]", name) for i, name in enumerate(items(where, value)))
-
-
 CUSTOM_KEYS = (matrix_key("name", text, "the label of the method's cells"),
-               *(replace(key, default=REQUIRED if key.name in ("scorer", "compensator") else key.default)
-                 for key in PRUNE_KEYS))
-PRODUCT_KEYS = (matrix_key("scorers", _names, f"registered scorers or selectors, or {ALL}"),
-                matrix_key("compensators", _names, f"registered compensators, or {ALL}"),
-                matrix_key("allocations", optional(_names), f"registered allocations or al-am, or {ALL} (default: the "
-                           "matrix's allocation)", None))
+               *(replace(option, default=REQUIRED if option.name in ("scorer", "compensator") else option.default)
+                 for option in PRUNE_KEYS))
 
 
 def read_method(where: str, entry: Any) -> MethodEntry:
@@ -178,8 +175,7 @@ def read_method(where: str, entry: Any) -> MethodEntry:
         given = read_keys(where, entry, CUSTOM_KEYS)
         return CustomEntry(given["name"], {name: given[name] for name in entry if name != "name"})
     if isinstance(entry, dict) and set(entry) & {key.name for key in PRODUCT_KEYS}:
-        given = read_keys(where, entry, PRODUCT_KEYS)
-        return ProductEntry(given["scorers"], given["compensators"], given["allocations"])
+        return ProductEntry(**read_keys(where, entry, PRODUCT_KEYS))
     raise MatrixError(f"{where}: {entry!r} is not a method; expected {_METHOD_FORMS}")
 
 
@@ -202,27 +198,25 @@ def resolve(entry: MethodEntry, where: str, registry: Registry) -> list[MethodSp
 # ------------------------------------------------------------------------------------------- calibration
 
 
+_DEFAULT = data.parse_calib(DEFAULT_CALIB)
+
+
 @dataclass(frozen=True)
 class CalibGrid:
     """Calibration windows from ``source``: one setting per size in ``n_calib``."""
 
-    source: str
-    n_calib: tuple[int, ...]
-    seqlen: int
-    seed: int
-    bos: bool
+    source: str = key(text, "wikitext2, tinystories, tinystories[A:B] or file:PATH", _DEFAULT.source)
+    n_calib: tuple[int, ...] = key(listed(integer(1)), "calibration sequences; a list runs each size",
+                                   (_DEFAULT.n_samples,))
+    seqlen: int = key(integer(1), "tokens per calibration sequence", _DEFAULT.seqlen)
+    seed: int = key(integer(0), "the sampling seed", _DEFAULT.seed)
+    bos: bool = key(flag, "each window begins with the tokenizer's BOS (when it adds one)", False)
 
     def spec(self, n_calib: int) -> str:
         return str(data.CalibSpec(self.source, n_calib, self.seqlen, self.seed, self.bos))
 
 
-_DEFAULT = data.parse_calib(DEFAULT_CALIB)
-CALIB_KEYS = (matrix_key("source", text, "wikitext2, tinystories, tinystories[A:B] or file:PATH", _DEFAULT.source),
-              matrix_key("n_calib", listed(integer(1)), "calibration sequences; a list runs each size",
-                         (_DEFAULT.n_samples,)),
-              matrix_key("seqlen", integer(1), "tokens per calibration sequence", _DEFAULT.seqlen),
-              matrix_key("seed", integer(0), "the sampling seed", _DEFAULT.seed),
-              matrix_key("bos", flag, "each window begins with the tokenizer's BOS (when it adds one)", False))
+CALIB_KEYS = declared(CalibGrid)
 
 
 def read_calib(where: str, value: Any) -> CalibGrid:

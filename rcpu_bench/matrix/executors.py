@@ -16,10 +16,10 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from rcpu_bench.matrix.ray_resources import (
 from rcpu_bench.matrix.reuse import LayerInputCache, capture_key
 from rcpu_bench.matrix.spec import Cell
 from rcpu_bench.matrix.store import Entry, error_info, make_entry
-from rcpu_bench.model.loading import LoadedModel, load_model
+from rcpu_bench.model.loading import LoadedModel, check_device, load_model
 from rcpu_bench.records import Record
 from rcpu_bench.registry import Registry
 
@@ -43,15 +43,16 @@ EXECUTORS = ("local", "ray")
 RAY_OBJECT_STORE_BYTES = 256 * 2**20  # entries are small; Ray would reserve ~30 % of RAM by default
 
 OnStart = Callable[[Cell], None]
+M = TypeVar("M", bound=nn.Module)
 
 
 class Executor(Protocol):
     """Runs cells and yields their store entries as they finish; ``on_start(cell)`` tells when a cell starts."""
 
-    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[Entry]: ...
+    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Generator[Entry, None, None]: ...
 
 
-def clone_to(model: nn.Module, device: str | torch.device) -> nn.Module:
+def clone_to(model: M, device: str | torch.device) -> M:
     """A deep copy of ``model`` whose parameters and buffers are new tensors on ``device`` (ties preserved).
 
     Each tensor is copied straight to ``device``, so a GPU copy of a CPU model needs no second CPU copy.
@@ -73,7 +74,7 @@ class ModelCache:
     """
 
     def __init__(self) -> None:
-        self._key: tuple[str, str | None, str] | None = None
+        self._key: tuple[str, str | None, str, bool] | None = None
         self._dense: LoadedModel | None = None
         self.keep_dense = True
 
@@ -95,13 +96,14 @@ class ModelCache:
             self._dense = load_model(name_or_path, dtype=dtype, device="cpu", revision=revision,
                                      trust_remote_code=trust_remote_code)
             self._key = key
+        assert self._dense is not None  # loaded above, or kept from the last call with the same key
         return LoadedModel(clone_to(self._dense.model, device), self._dense.tokenizer,
                            {**self._dense.provenance, "device": device})
 
 
 def _check_finite(record: Record) -> None:
     """FloatingPointError naming every perplexity of the record that is not finite (a skipped one is None)."""
-    values = {"calibration": record.calibration_ppl, **{p["profile"]: p["ppl"] for p in record.perplexity}}
+    values = {"calibration": record.calibration_ppl, **{p.profile: p.ppl for p in record.perplexity}}
     bad = {name: value for name, value in values.items() if value is not None and not math.isfinite(value)}
     if bad:
         raise FloatingPointError(f"non-finite perplexity: {bad}")
@@ -134,7 +136,8 @@ def evaluations(cell: Cell) -> Callable[[Any, Any], dict[str, Any]] | None:
 
 def run_cell(cell: Cell, registry: Registry, models: ModelCache, inputs: LayerInputCache | None = None,
              device: str | None = None) -> Entry:
-    """Run one cell and return its store entry; any exception becomes a failed entry with its traceback.
+    """Run one cell, checked before it ran (``runner.preflight``), and return its store entry; any exception becomes
+    a failed entry with its traceback.
 
     ``inputs`` shares layer 0's captured inputs between cells (rcpu_bench.matrix.reuse); ``device`` replaces
     the cell's device (the GPU Ray assigned), the entry still records the cell as listed.
@@ -143,8 +146,9 @@ def run_cell(cell: Cell, registry: Registry, models: ModelCache, inputs: LayerIn
     try:
         experiment = cell.experiment() if device is None else replace(cell.experiment(), device=device)
         reuse = inputs.reuse(capture_key(cell, experiment.device)) if inputs is not None else None
+        check_device(experiment.device)  # the device a Ray worker was given is checked where it runs
         record = run_experiment(experiment, registry=registry, progress=False, load=models.load,
-                                evaluate=evaluations(cell), reuse_capture=reuse)
+                                evaluate=evaluations(cell), reuse_capture=reuse, validated=True)
         _check_finite(record)
         return make_entry(cell, seconds=time.perf_counter() - started, record=record)
     except Exception as error:  # noqa: BLE001 - one failing cell must not stop the matrix
@@ -159,7 +163,7 @@ class LocalExecutor:
     def __init__(self, reuse: bool = True) -> None:
         self.reuse = reuse
 
-    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[Entry]:
+    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Generator[Entry, None, None]:
         models, inputs = ModelCache(), LayerInputCache() if self.reuse else None
         for cell in cells:
             on_start(cell)
@@ -212,7 +216,7 @@ class RayExecutor:
     def __init__(self, address: str | None = None):
         self.ray, self.address = import_ray(), address
 
-    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Iterator[Entry]:
+    def run(self, cells: Sequence[Cell], registry: Registry, on_start: OnStart) -> Generator[Entry, None, None]:
         ray = self.ray
         with self._connected(ray, registry):
             task = ray.remote(max_retries=0, max_calls=0)(_ray_cell)  # reused workers keep their dense copy

@@ -10,8 +10,7 @@ again (cell ids are unchanged). An entry stored before a part was fingerprinted 
   file in it (config, weights, tokenizer, manifest; not subdirectories): a content hash. Reading the weights
   costs about as long as loading them, once per model and run; sizes or safetensors headers alone would miss
   other weights of the same shapes. For a hub id, ``commit:`` + the resolved commit, which fixes the content.
-- calibration: the sha256 of the calibration source's file (``record["calibration"]["sha256"]``, which entries
-  written before fingerprints also hold).
+- calibration: the sha256 of the calibration source's file (``record.calibration["sha256"]``).
 - evaluation: ``sha256:`` + sha256 over the sorted (profile, sha256 of its source file) of the cell's perplexity
   profiles and, when the cell evaluates zero-shot accuracy, the (file, sha256) of the zero-shot tasks' data files.
 """
@@ -87,13 +86,9 @@ class Fingerprints:
 
 
 def stored_fingerprint(entry: Entry) -> dict[str, str]:
-    """What an entry records of its content: its fingerprint, or for an entry written before fingerprints the
-    calibration sha256 its record holds (the model then cannot be checked)."""
-    stored = dict(entry.fingerprint or {})
-    calibration = ((entry.record or {}).get("calibration") or {}).get("sha256")
-    if calibration is not None:
-        stored.setdefault("calibration", calibration)
-    return stored
+    """What an entry records of its content: its fingerprint's parts (none, when its files could not be read as it
+    was stored; the calibration alone, for an entry of an earlier release that ``rcpu-bench migrate`` converted)."""
+    return dict(entry.fingerprint or {})
 
 
 def changes(entry: Entry, current: dict[str, str]) -> list[str]:

@@ -98,12 +98,12 @@ def _flat(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _experiment(result: StoredResult, ignore: tuple[str, ...] = ()) -> str:
     """What a result's cell ran, as a comparable string."""
-    cell = {k: v for k, v in _flat(result.cell).items() if k not in NOT_EXPERIMENT + ignore}
+    cell = {k: v for k, v in _flat(result.cell.to_json()).items() if k not in NOT_EXPERIMENT + ignore}
     return json.dumps(cell, sort_keys=True, default=str)
 
 
 def _differences(a: StoredResult, b: StoredResult) -> list[str]:
     """The experiment fields on which two results' cells differ, with both values."""
-    flat_a, flat_b = _flat(a.cell), _flat(b.cell)
+    flat_a, flat_b = _flat(a.cell.to_json()), _flat(b.cell.to_json())
     keys = sorted((flat_a.keys() | flat_b.keys()) - set(NOT_EXPERIMENT))
     return [f"{k} ({flat_a.get(k)!r} vs {flat_b.get(k)!r})" for k in keys if flat_a.get(k) != flat_b.get(k)]

@@ -43,7 +43,7 @@ LAMBDA_RULE = "paper"  # lowest perplexity on the calibration windows
 
 def lambda_group(cell: Cell) -> str:
     """The cell's λ group: its configuration without the matrix name and the ridge λ, as canonical JSON."""
-    config = {k: v for k, v in cell.to_dict().items() if k != "matrix"}
+    config = {k: v for k, v in cell.to_json().items() if k != "matrix"}
     config["prune"] = {**config["prune"],
                        "compensator_params": {k: v for k, v in config["prune"]["compensator_params"].items()
                                               if k != "lam"}}
@@ -97,7 +97,7 @@ class PhasePlan:
         """The store entry of ``cell`` from the entry of its phase-1 run (which carries the run cell's id)."""
         if cell.id not in self.deferred:
             return entry
-        return replace(entry, cell_id=cell.id, cell=cell.to_dict(), phase=PHASE_PPL)
+        return replace(entry, cell_id=cell.id, cell=cell, phase=PHASE_PPL)
 
     def phase2(self, entries: Sequence[Entry]) -> Phase2:
         """The groups whose λ_best is decided (every cell has an ok phase-1 entry) and has no zero-shot result yet."""
@@ -110,7 +110,7 @@ class PhasePlan:
             results = [StoredResult.from_entry(phase1[cell.id]) for cell in group]
             best = phase1[choose(lambda_group(group[0]), results).result.cell_id]
             latest = newest[best.cell_id]
-            if latest.ok and latest.record is not None and ZEROSHOT in latest.record:
+            if latest.ok and latest.record is not None and latest.record.zeroshot is not None:
                 done += 1
                 continue
             cell = next(cell for cell in group if cell.id == best.cell_id)
@@ -160,13 +160,13 @@ def lambda_best_entry(run: Entry, best: LambdaBest) -> Entry:
     """The phase-2 store entry from the re-run ``run`` of :func:`phase2_cell`: the chosen cell's phase-1 record with
     the re-run's zero-shot accuracy, how λ was chosen, and whether the re-pruned model reproduced phase 1's
     calibration perplexity."""
-    entry = replace(run, cell_id=best.cell.id, cell=best.cell.to_dict(), phase=PHASE_LAMBDA_BEST,
+    entry = replace(run, cell_id=best.cell.id, cell=best.cell, phase=PHASE_LAMBDA_BEST,
                     lambda_rule=LAMBDA_RULE, chosen_from=list(best.chosen_from))
     if not run.ok:
         return entry
     first, again = best.phase1.record, run.record
     assert first is not None and again is not None  # ok entries have records
-    entry.record = {**first, ZEROSHOT: again[ZEROSHOT]}
-    entry.reproduced = {"identical": first["calibration_ppl"] == again["calibration_ppl"],
-                        "calibration_ppl": [first["calibration_ppl"], again["calibration_ppl"]]}
+    entry.record = replace(first, zeroshot=again.zeroshot)
+    entry.reproduced = {"identical": first.calibration_ppl == again.calibration_ppl,
+                        "calibration_ppl": [first.calibration_ppl, again.calibration_ppl]}
     return entry

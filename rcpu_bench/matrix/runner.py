@@ -18,9 +18,9 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from torch import nn
 from tqdm.auto import tqdm
 
+from rcpu_bench.experiment import Inputs
 from rcpu_bench.matrix.executors import Executor, make_executor
 from rcpu_bench.matrix.fingerprints import Fingerprints, changes, stored_fingerprint
 from rcpu_bench.matrix.phases import (
@@ -45,7 +45,7 @@ from rcpu_bench.matrix.store import (
     StoredResult,
     read_results,
 )
-from rcpu_bench.model.loading import load_config, model_skeleton
+from rcpu_bench.model.loading import load_config
 from rcpu_bench.paths import check_output_dir
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.methods import percent
@@ -61,30 +61,28 @@ DEFAULT_CELL_SECONDS = ((10e6, 6.0), (1.5e9, 300.0), (10e9, 900.0), (float("inf"
 
 
 def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> None:
-    """Every check that needs no model weights, before the first cell runs.
+    """Every check that needs no model weights, before the first cell runs, each once.
 
-    ``expand`` validated each cell's PruneConfig; here each distinct setting of the rest of the
-    experiment (model, calibration and hold-out count, profiles, dtype, device) is validated once with
-    Experiment.validate, each cell's budgets against its model's shape (``PruneConfig.check_budget``), the
-    zero-shot tasks' data once when a cell asks for them, llama-cpp-python and the models' GGUF export when a cell
-    asks for llama.cpp speed.
+    ``expand`` checked each cell's options (``Experiment.check_options``); here the inputs of each distinct setting
+    of the rest of the experiment (model, calibration and hold-out count, profiles, dtype, device:
+    ``Experiment.check_inputs``), each cell's budgets against its model's weightless skeleton
+    (``Experiment.check_budget``), the zero-shot tasks' data once when a cell asks for them, llama-cpp-python and
+    the models' GGUF export when a cell asks for llama.cpp speed. The cells then run without checking again
+    (``run_experiment(..., validated=True)``).
     ``here``: the cells run in this process, so their device must exist here (not so for a Ray cluster's
     workers).
     """
-    validated: set[str] = set()
-    skeletons: dict[tuple[str, str | None], nn.Module] = {}
+    checked: set[str] = set()
+    inputs: dict[tuple[str, str | None], Inputs] = {}
     for cell in cells:
         try:
             experiment = cell.experiment()
             held_out = PruneConfig(holdout=experiment.prune.holdout)  # checked against the source per setting
             setting = json.dumps(replace(experiment, prune=held_out).to_dict(), sort_keys=True, default=str)
-            if setting not in validated:
-                experiment.validate(registry, here=here)
-                validated.add(setting)
-            model = (experiment.model, experiment.revision)
-            if model not in skeletons:
-                skeletons[model] = model_skeleton(load_config(*model)[0])
-            experiment.prune.check_budget(skeletons[model], registry)
+            if setting not in checked:
+                inputs.setdefault((experiment.model, experiment.revision), experiment.check_inputs(here=here))
+                checked.add(setting)
+            experiment.check_budget(inputs[experiment.model, experiment.revision], registry)
         except (ValueError, KeyError, OSError) as error:
             where = f"cell {cell.id} ({cell.describe()}, model {cell.model})"
             raise MatrixError(f"{where}: {error_message(error)}") from None
@@ -103,9 +101,9 @@ def preflight(cells: list[Cell], registry: Registry, *, here: bool = True) -> No
 
         try:
             require_llama_cpp()
-            for model, revision in dict.fromkeys((cell.experiment().model, cell.revision) for cell in cells
-                                                 if "speed-llama-cpp" in cell.eval):
-                check_config(load_config(model, revision)[0])
+            for name, revision in dict.fromkeys((cell.experiment().model, cell.revision) for cell in cells
+                                                if "speed-llama-cpp" in cell.eval):
+                check_config(load_config(name, revision)[0])
         except (ImportError, ValueError) as error:
             raise MatrixError(f"eval speed-llama-cpp: {error}") from None
 
@@ -151,13 +149,14 @@ def _outcome(entry: Entry) -> str:
     if not entry.ok:
         error = entry.error or {"type": "error", "message": ""}
         return f"{error['type']}: {(error['message'].splitlines() or [''])[0]}"
-    record = entry.record or {}
+    record = entry.record
     if entry.phase == PHASE_LAMBDA_BEST and entry.reproduced is not None:
         first, again = entry.reproduced["calibration_ppl"]
         same = "identical" if entry.reproduced["identical"] else f"NOT identical: calibration {first} vs {again}"
         return f"zero-shot at λ_best of {len(entry.chosen_from or [])} λ (re-pruned model {same})"
-    ppl = [f"{p['profile']} {p['ppl']:.3f}" for p in record["perplexity"]]
-    calibration = record.get("calibration_ppl")  # None: skipped
+    assert record is not None  # an ok entry has its record
+    ppl = [f"{p.profile} {p.ppl:.3f}" for p in record.perplexity]
+    calibration = record.calibration_ppl  # None: skipped
     return ", ".join([*ppl, *([f"calibration {calibration:.3f}"] if calibration is not None else [])])
 
 
@@ -207,7 +206,7 @@ def estimate_seconds(todo: Sequence[Cell], stored: Sequence[StoredResult]) -> tu
     the same model already in the store, else DEFAULT_CELL_SECONDS for the model's size."""
     seconds: dict[str, list[float]] = {}
     for result in stored:
-        seconds.setdefault(result.cell["model_label"], []).append(result.seconds)
+        seconds.setdefault(result.cell.model_label, []).append(result.seconds)
     total, sources = 0.0, []
     for label, cells in _by_model(todo).items():
         if label in seconds:

@@ -1,24 +1,25 @@
 """The matrix schema as data: each allowed key an :class:`rcpu_bench.declaration.Option`, and the readers.
 
-The keys that are declared options (:mod:`rcpu_bench.pruning.options`, :mod:`rcpu_bench.experiment_options`)
-are those options (:func:`option_key`): their help, default and check come from the declaration. The matrix's
+The keys that are declared options (:class:`rcpu_bench.pruning.options.PruneConfig`'s,
+:class:`rcpu_bench.experiment.Experiment`'s) are those options (:func:`option_key`,
+:func:`rcpu_bench.declaration.reused`): their help, default and check come from the declaration. The matrix's
 structural keys (``models``, ``methods``, ``calib``, ...) are options of kind ``structure`` with a reader each
-(:func:`matrix_key`). A reader takes ``(where, value)`` (``where`` is the dotted location, e.g.
-``calib.seqlen``) and returns the value parsed, or raises :class:`MatrixError` naming the location, the bad
-value and what is allowed. :func:`read_keys` reads a whole mapping against its keys; :func:`markdown_table`
-renders them for the README.
+(:func:`rcpu_bench.declaration.key` on the field of the dataclass it fills, or :func:`matrix_key`). A reader takes
+``(where, value)`` (``where`` is the dotted location, e.g. ``calib.seqlen``) and returns the value parsed, or raises
+:class:`MatrixError` naming the location, the bad value and what is allowed. :func:`read_keys` reads a whole mapping
+against its keys; :func:`markdown_table` renders them for the reference.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from rcpu_bench.declaration import Option, subset_words
+from rcpu_bench.declaration import REQUIRED, Option, subset_words
 
 Reader = Callable[[str, Any], Any]
-REQUIRED = object()  # the default of a key that must be given
 
 
 class MatrixError(ValueError):
@@ -76,7 +77,7 @@ def read_keys(where: str, mapping: Any, keys: Sequence[Option]) -> dict[str, Any
             names = ", ".join(k.name for k in keys if required(k))
             raise MatrixError(f"{where}: missing key {key.name!r} (required: {names})")
         else:
-            out[key.name] = key.default
+            out[key.name] = copy.deepcopy(key.default)  # a mapping or list default is the matrix's own
     return out
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from itertools import product
 from pathlib import Path
@@ -54,9 +54,10 @@ from typing import Any
 
 import yaml
 
-from rcpu_bench import experiment_options
 from rcpu_bench.compensation.compensators import LAMBDA_GRID
+from rcpu_bench.declaration import declared, key, option, reused
 from rcpu_bench.evaluation import perplexity
+from rcpu_bench.experiment import BY_NAME as EXPERIMENT
 from rcpu_bench.experiment import DEFAULT_PPL_PROFILES, SKIPPABLE
 from rcpu_bench.matrix.cells import SHARED, Cell, derived
 from rcpu_bench.matrix.entries import (
@@ -82,7 +83,6 @@ from rcpu_bench.matrix.schema import (
     markdown_table,
     matrix_key,
     number,
-    option_key,
     optional,
     read_keys,
     subset,
@@ -91,6 +91,7 @@ from rcpu_bench.matrix.schema import (
 from rcpu_bench.pruning.methods import CUSTOM, RECIPES, method_label, recipe_of
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.registry import Registry
+from rcpu_bench.tracking import TRACKERS
 
 # Cell, MatrixError and error_message are defined in matrix.cells and matrix.schema; importers may take them from here.
 __all__ = ["SHARED", "Cell", "Matrix", "MatrixError", "apply_overrides", "error_message", "expand", "load_matrix",
@@ -126,75 +127,61 @@ def _matrix_name(where: str, value: Any) -> str:
 
 ABLATION_KEYS = (matrix_key("compensate", listed(choice(COMPENSATE_VARIANTS)),
                             "the modules compensated, one variant each: " + ", ".join(COMPENSATE_VARIANTS), ()),)
-TOP_KEYS = (
-    matrix_key("name", _matrix_name, "results go to results/<name> by default (no path separators, no ..)", None,
-        "the file's stem"),
-    matrix_key("models", listed(read_model), f"local directories or hub ids ({SHARED}: the shared fixtures), or "
-        "mappings {model, label, revision}"),
-    matrix_key("methods", listed(read_method), "recipe keys, custom methods {name, ...options} or products "
-        "{scorers, compensators}"),
-    matrix_key("ratios", listed(_ratio), "pruning ratios in (0, 1)"),
-    matrix_key("calib", read_calib, "calibration: {source, n_calib, seqlen, seed}", read_calib("calib", {}),
-        "see below"),
-    matrix_key("lambdas", listed(_lambda), "the λ grid of λ-grid methods", LAMBDA_GRID),
-    matrix_key("eval", listed(choice(EVALS)), "what to evaluate: ppl, zeroshot (lm-eval), speed-llama-cpp (llama.cpp "
-               "tokens/s of a temporary GGUF export, CPU, batch 1)", ("ppl",)),
-    matrix_key("ppl_profiles", listed(checked(perplexity.get_profile)), "perplexity profiles", DEFAULT_PPL_PROFILES),
-    matrix_key("include_dense", flag, "add one dense (original) cell per model", False),
-    *(option_key(experiment_options.BY_NAME[name]) for name in ("dtype", "device", "eval_batch_size",
-                                                                 "zeroshot_limit")),
-    matrix_key("zeroshot_ratios", optional(listed(_ratio)), "the ratios whose cells run the zero-shot evaluation "
-               "(null: every ratio; the dense model always runs it)", None),
-    matrix_key("skip", listed(choice(SKIPPABLE)), "measurements the cells leave out of their records: "
-               "calibration-ppl (λ-grid cells keep it: the λ rule reads it), speed, sample", ()),
-    matrix_key("prune", read_prune, "options for every method (a method's own options win)", {}),
-    matrix_key("ablation", lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
-        "{compensate: [...]}: multiply the methods by the modules compensated", (), "none"),
-    option_key(experiment_options.BY_NAME["report_to"], subset),
-)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Matrix:
+    """A validated matrix; ``expand`` turns it into cells. Each field declares the key of the same name (what it
+    means, how it is read, its default): :data:`TOP_KEYS` derives from them."""
+
+    name: str = key(_matrix_name, "results go to results/<name> by default (no path separators, no ..)", None,
+                    "the file's stem")
+    models: tuple[ModelSpec, ...] = key(listed(read_model), f"local directories or hub ids ({SHARED}: the shared "
+                                        "fixtures), or mappings {model, label, revision}")
+    methods: tuple[MethodEntry, ...] = key(listed(read_method), "recipe keys, custom methods {name, ...options} or "
+                                           "products {scorers, compensators}")
+    ratios: tuple[float, ...] = key(listed(_ratio), "pruning ratios in (0, 1)")
+    calib: CalibGrid = key(read_calib, "calibration: {source, n_calib, seqlen, seed}", read_calib("calib", {}),
+                           "see below")
+    lambdas: tuple[float, ...] = key(listed(_lambda), "the λ grid of λ-grid methods", LAMBDA_GRID)
+    eval: tuple[str, ...] = key(listed(choice(EVALS)), "what to evaluate: ppl, zeroshot (lm-eval), speed-llama-cpp "
+                                "(llama.cpp tokens/s of a temporary GGUF export, CPU, batch 1)", ("ppl",))
+    ppl_profiles: tuple[str, ...] = key(listed(checked(perplexity.get_profile)), "perplexity profiles",
+                                        DEFAULT_PPL_PROFILES)
+    include_dense: bool = key(flag, "add one dense (original) cell per model", False)
+    dtype: str = reused(EXPERIMENT["dtype"])
+    device: str = reused(EXPERIMENT["device"])
+    eval_batch_size: int = reused(EXPERIMENT["eval_batch_size"])
+    zeroshot_limit: int | None = option("count", None, "examples per zero-shot task, for quick runs (null: all)")
+    zeroshot_ratios: tuple[float, ...] | None = key(optional(listed(_ratio)), "the ratios whose cells run the "
+                                                    "zero-shot evaluation (null: every ratio; the dense model always "
+                                                    "runs it)", None)
+    skip: tuple[str, ...] = key(listed(choice(SKIPPABLE)), "measurements the cells leave out of their records: "
+                                "calibration-ppl (λ-grid cells keep it: the λ rule reads it), speed, sample", ())
+    prune: dict[str, Any] = key(read_prune, "options for every method (a method's own options win)", {})
+    ablation: tuple[str, ...] = key(lambda where, value: read_keys(where, value, ABLATION_KEYS)["compensate"],
+                                    "{compensate: [...]}: multiply the methods by the modules compensated", (),
+                                    "none")
+    report_to: tuple[str, ...] = option("subset", (), "experiment trackers that log each run (transformers' "
+                                        f"report_to): {', '.join(TRACKERS)} (a comma list) or none; run "
+                                        "--report-to replaces a matrix's report_to", choices=TRACKERS,
+                                        shown="none", read=subset)
+
+
+TOP_KEYS = declared(Matrix)
+BY_KEY = {declared_key.name: declared_key for declared_key in TOP_KEYS}
 
 
 def key_table() -> str:
-    """The README's table of a matrix's top-level keys."""
+    """The reference table of a matrix's top-level keys."""
     return markdown_table(TOP_KEYS)
-
-
-def _key_default(name: str) -> Any:
-    """A Matrix field whose default is that of the key ``name`` in :data:`TOP_KEYS` (a mapping copied per matrix)."""
-    default = next(key.default for key in TOP_KEYS if key.name == name)
-    return field(default_factory=lambda: dict(default)) if isinstance(default, dict) else field(default=default)
-
-
-@dataclass(frozen=True)
-class Matrix:
-    """A validated matrix; ``expand`` turns it into cells. Each field is the key of the same name in :data:`TOP_KEYS`
-    (``compensate``: the key ``ablation``), which says what it means and gives its default."""
-
-    name: str
-    models: tuple[ModelSpec, ...]
-    methods: tuple[MethodEntry, ...]
-    ratios: tuple[float, ...]
-    calib: CalibGrid
-    lambdas: tuple[float, ...] = _key_default("lambdas")
-    eval: tuple[str, ...] = _key_default("eval")
-    ppl_profiles: tuple[str, ...] = _key_default("ppl_profiles")
-    include_dense: bool = _key_default("include_dense")
-    dtype: str = _key_default("dtype")
-    device: str = _key_default("device")
-    eval_batch_size: int = _key_default("eval_batch_size")
-    zeroshot_limit: int | None = _key_default("zeroshot_limit")
-    zeroshot_ratios: tuple[float, ...] | None = _key_default("zeroshot_ratios")
-    skip: tuple[str, ...] = _key_default("skip")
-    prune: dict[str, Any] = _key_default("prune")
-    compensate: tuple[str, ...] = _key_default("ablation")
-    report_to: tuple[str, ...] = _key_default("report_to")
 
 
 def parse_matrix(raw: Any, default_name: str = "matrix") -> Matrix:
     """Validate a matrix mapping (as read from YAML) into a Matrix; raise MatrixError naming what is wrong."""
     given = read_keys("", raw, TOP_KEYS)
     given["name"] = given["name"] or default_name
-    return Matrix(**{k: v for k, v in given.items() if k != "ablation"}, compensate=given["ablation"])
+    return Matrix(**given)
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -270,10 +257,10 @@ def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     """Set ``raw[a][b]... = value`` for ``a.b...``; missing mappings are created, list items are chosen by index."""
     *path, last = dotted.split(".")
     node: Any = raw
-    for key in path:
-        node = node[_index(dotted, node, key)] if isinstance(node, list) else node.setdefault(key, {})
+    for part in path:
+        node = node[_index(dotted, node, part)] if isinstance(node, list) else node.setdefault(part, {})
         if not isinstance(node, (dict, list)):
-            raise MatrixError(f"--set {dotted}: {key!r} holds {node!r}, not a mapping or list")
+            raise MatrixError(f"--set {dotted}: {part!r} holds {node!r}, not a mapping or list")
     node[_index(dotted, node, last) if isinstance(node, list) else last] = value
 
 
@@ -314,8 +301,8 @@ def method_specs(matrix: Matrix, registry: Registry) -> list[MethodSpec]:
     for i, entry in enumerate(matrix.methods):
         for spec in resolve(entry, f"methods[{i}]", registry):
             specs += _over_lambdas(spec, matrix, f"methods[{i}]", registry)
-    if matrix.compensate:
-        specs = [spec.with_fields(compensate=COMPENSATE_VARIANTS[v]) for spec in specs for v in matrix.compensate]
+    if matrix.ablation:
+        specs = [spec.with_fields(compensate=COMPENSATE_VARIANTS[v]) for spec in specs for v in matrix.ablation]
     return specs
 
 
@@ -332,7 +319,7 @@ def _over_lambdas(spec: MethodSpec, matrix: Matrix, where: str, registry: Regist
 
 
 def _cell(matrix: Matrix, model: ModelSpec, spec: MethodSpec, ratio: float, n_calib: int) -> Cell:
-    prune = PruneConfig(**{**matrix.prune, **spec.fields, "ratio": ratio}).to_dict()
+    prune = PruneConfig(**{**matrix.prune, **spec.fields, "ratio": ratio}).to_json()
     recipe = recipe_of(prune)
     evals = matrix.eval if _zeroshot_at(matrix, ratio) else tuple(e for e in matrix.eval if e != "zeroshot")
     return Cell(matrix=matrix.name, model=model.model, model_label=model.label, revision=model.revision,
@@ -365,7 +352,8 @@ def _dense(matrix: Matrix, model: ModelSpec) -> Cell:
 
 
 def expand(matrix: Matrix, registry: Registry) -> list[Cell]:
-    """All cells, model by model (so each model is loaded once), every cell's PruneConfig validated."""
+    """All cells, model by model (so each model is loaded once), each cell's options checked
+    (``Experiment.check_options``: its inputs and budgets are checked by ``runner.preflight``)."""
     specs = method_specs(matrix, registry)
     cells = []
     for model in matrix.models:
@@ -375,7 +363,7 @@ def expand(matrix: Matrix, registry: Registry) -> list[Cell]:
     _check_unique(cells)
     for cell in cells:
         try:
-            cell.prune_config().validate(registry)
+            cell.experiment().check_options(registry)
         except (KeyError, ValueError) as error:
             raise MatrixError(f"cell {cell.describe()}: {error_message(error)}") from None
     return cells

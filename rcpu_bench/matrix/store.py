@@ -9,7 +9,8 @@ leave at most a torn last line; the reader skips it and the writer cuts it off b
 never merges with the next entry. A lock on the file refuses a second writer. What SQLite would add
 (concurrent writers, queries) is not needed: the whole file is read once per run.
 
-An entry (:class:`Entry`; read by the tables: keep the format)::
+An entry (:class:`Entry`: its ``cell`` a :class:`rcpu_bench.matrix.cells.Cell`, its ``record`` a
+:class:`rcpu_bench.records.Record`, each read and written through ``from_json`` / ``to_json``)::
 
     {"cell_id": "<16 hex>", "status": "ok" | "failed",
      "error": null | {"type", "message", "traceback"},
@@ -20,10 +21,9 @@ An entry (:class:`Entry`; read by the tables: keep the format)::
      and for a λ-grid cell's two phases (rcpu_bench.matrix.phases) "phase", "lambda_rule", "chosen_from",
      "reproduced"}
 
-The ratio and λ of a cell are in its ``prune`` (``prune.ratio``, ``prune.compensator_params.lam``); stores
-written before kept copies of them as ``cell.ratio`` and ``cell.lam``, read when they agree
-(rcpu_bench.matrix.cells.stored_cell). A cell may have several entries (a failure, then a retry); the newest one
-counts.
+The ratio and λ of a cell are in its ``prune`` (``prune.ratio``, ``prune.compensator_params.lam``). An entry
+written by an earlier release is refused, naming ``rcpu-bench migrate`` (:mod:`rcpu_bench.matrix.migrate`), which
+converts the store. A cell may have several entries (a failure, then a retry); the newest one counts.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from rcpu_bench.matrix.cells import derived, stored_cell
+from rcpu_bench.matrix.cells import Cell, check_options
 from rcpu_bench.records import Record, append_record, read_records
 from rcpu_bench.registry import failed_method
 
@@ -56,14 +56,6 @@ def matrix_results_dir(matrix_name: str) -> Path:
     return RESULTS_ROOT / matrix_name
 
 
-class StoredCell(Protocol):
-    """What an entry needs of a matrix cell (rcpu_bench.matrix.spec.Cell): its id and its fields."""
-
-    @property
-    def id(self) -> str: ...
-
-    def to_dict(self) -> dict[str, Any]: ...
-
 log = logging.getLogger(__name__)
 
 
@@ -78,13 +70,13 @@ def error_info(error: BaseException) -> dict[str, str]:
 class Entry:
     """One line of a results store: a finished cell, ok with its record or failed with its error (module docstring).
 
-    ``record`` stays the record's JSON object (what the store holds and the tables read through
-    :class:`StoredResult`); the optional fields are written only when set, so entries keep their format."""
+    The optional fields are written only when set, so entries keep their format; keys of no field are kept as they
+    were (``extra``)."""
 
     cell_id: str
     status: str  # OK or FAILED
-    cell: dict[str, Any]
-    record: dict[str, Any] | None = None
+    cell: Cell
+    record: Record | None = None
     error: dict[str, str] | None = None
     seconds: float = 0.0
     finished_at: str | None = None
@@ -101,23 +93,28 @@ class Entry:
 
     def to_json(self) -> dict[str, Any]:
         """The entry's JSON object: the always-written keys, the optional ones that are set, then ``extra``."""
-        data = {k: v for k, v in asdict(self).items() if k != "extra"}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        data.update(cell=self.cell.to_json(), record=None if self.record is None else self.record.to_json())
         always = ("cell_id", "status", "error", "cell", "record", "finished_at", "seconds")
         return {**{k: v for k, v in data.items() if k in always or v is not None}, **self.extra}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Entry:
-        """An entry from its JSON object (entries of any earlier store: missing optional keys read as unset)."""
+        """An entry from its JSON object in today's format (missing optional keys read as unset)."""
         names = {f.name for f in fields(cls)} - {"extra"}
-        return cls(**{k: v for k, v in data.items() if k in names},
-                   extra={k: v for k, v in data.items() if k not in names})
+        values = {k: v for k, v in data.items() if k in names}
+        cell, record = Cell.from_json(values["cell"]), values.get("record")
+        if record is not None:
+            check_options(record["experiment"]["prune"], "its record's experiment.prune")
+        values.update(cell=cell, record=None if record is None else Record.from_json(record))
+        return cls(**values, extra={k: v for k, v in data.items() if k not in names})
 
 
-def make_entry(cell: StoredCell, *, seconds: float, record: Record | None = None,
+def make_entry(cell: Cell, *, seconds: float, record: Record | None = None,
                error: dict[str, str] | None = None) -> Entry:
     """The store entry of a finished cell: ok with its record, or failed with its error."""
-    return Entry(cell.id, FAILED if error else OK, cell.to_dict(), None if record is None else record.to_json(),
-                 error, seconds, datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return Entry(cell.id, FAILED if error else OK, cell, record, error, seconds,
+                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 
 class StoreBusyError(OSError):
@@ -132,10 +129,12 @@ class Store:
         self.path = self.dir / RECORDS
 
     def entries(self) -> list[Entry]:
-        """Every complete entry, oldest first (a torn last line and lines that are not entries are skipped)."""
+        """Every complete entry, oldest first (a torn last line and lines that are not entries are skipped); an entry
+        that does not read is a ValueError naming its line."""
         if not self.path.exists():
             return []
-        return [Entry.from_json(line) for _, line in _numbered_entries(read_records(self.path), self.path)]
+        return [_entry(line, f"{self.path}:{number}")
+                for number, line in _numbered_entries(read_records(self.path), self.path)]
 
     def latest(self) -> dict[str, Entry]:
         """The newest entry of each cell id, in the order the newest entries were written."""
@@ -185,37 +184,36 @@ class StoredResult:
     The fields below are what every reader uses; ``cell`` keeps the whole cell."""
 
     cell_id: str
-    cell: dict[str, Any]
+    cell: Cell
     record: Record
     seconds: float
 
     @classmethod
     def from_entry(cls, entry: Entry) -> StoredResult:
-        """The result of a finished store entry; an old cell's copies of ρ and λ are checked against its ``prune``
-        and dropped (a ValueError when they disagree)."""
+        """The result of a finished store entry."""
         if entry.record is None:
             raise ValueError(f"entry {entry.cell_id} has no record (status {entry.status})")
-        return cls(entry.cell_id, stored_cell(entry.cell), Record.from_json(entry.record), entry.seconds)
+        return cls(entry.cell_id, entry.cell, entry.record, entry.seconds)
 
     @property
     def model_label(self) -> str:
         """The model's label as tables and figures show it: with what its weights are when they are not the
         original model's (a real model's dequantized GGUF, ``rcpu_bench.model.real_models``)."""
         real = (self.record.model_provenance or {}).get("real_model") or {}
-        return f"{self.cell['model_label']} ({real['weights']})" if real.get("weights") else self.cell["model_label"]
+        return f"{self.cell.model_label} ({real['weights']})" if real.get("weights") else self.cell.model_label
 
     @property
     def ratio(self) -> float:
-        return derived(self.cell["prune"], "ratio")
+        return self.cell.ratio
 
     @property
     def n_calib(self) -> int:
-        return self.cell["n_calib"]
+        return self.cell.n_calib
 
     @property
     def lam(self) -> float | None:
         """The ridge λ of the cell, None for a method without a λ grid."""
-        return derived(self.cell["prune"], "lam")
+        return self.cell.lam
 
     @property
     def prune(self) -> dict[str, Any]:
@@ -236,17 +234,12 @@ class StoredResults:
             print(f"rcpu-bench: {self.failed} failed entries skipped", file=sys.stderr)
 
 
-# The fields every reader of a finished entry relies on.
-REQUIRED = {"cell": ("model_label", "method_label", "n_calib", "prune"),
-            "record": Record.required()}
-
-
 def read_results(results_dir: str | Path, *, missing_ok: bool = False) -> StoredResults:
     """The newest entry of each cell of ``<results_dir>/records.jsonl``, the ok ones as typed results.
 
     A torn last line (a killed writer) is skipped; a cell with several entries (a failure, then a retry) counts
-    by its newest one. A missing store is a FileNotFoundError (``missing_ok``: no results); a finished entry
-    without the fields in :data:`REQUIRED` is a ValueError naming its line and the fields."""
+    by its newest one. A missing store is a FileNotFoundError (``missing_ok``: no results); a finished entry that
+    does not read (another format, a missing field) is a ValueError naming its line."""
     path = Path(results_dir) / RECORDS
     if not path.is_file():
         if missing_ok:
@@ -255,19 +248,17 @@ def read_results(results_dir: str | Path, *, missing_ok: bool = False) -> Stored
     numbered = _numbered_entries(read_records(path), path)  # a line that is not JSON: a ValueError naming it
     newest = newest_entries(numbered, cell_id=lambda entry: entry[1]["cell_id"])
     ok = [(number, line) for number, line in newest.values() if line.get("status") == OK]
-    return StoredResults(tuple(_result(line, f"{path}:{number}") for number, line in ok), len(newest) - len(ok))
+    results = tuple(StoredResult.from_entry(_entry(line, f"{path}:{number}")) for number, line in ok)
+    return StoredResults(results, len(newest) - len(ok))
 
 
-def _result(entry: dict[str, Any], where: str) -> StoredResult:
-    """The result of a finished entry; a ValueError naming ``where`` and the entry when it cannot be read."""
-    for part, keys in REQUIRED.items():
-        missing = [key for key in keys if key not in (entry.get(part) or {})]
-        if missing:
-            raise ValueError(f"{where}: entry {entry.get('cell_id')} has no {part} field {', '.join(missing)}")
+def _entry(line: dict[str, Any], where: str) -> Entry:
+    """The entry of a store line; a ValueError naming ``where`` and the entry when it cannot be read."""
     try:
-        return StoredResult.from_entry(Entry.from_json(entry))
-    except ValueError as error:
-        raise ValueError(f"{where}: entry {entry.get('cell_id')}: {error}") from None
+        return Entry.from_json(line)
+    except (ValueError, KeyError, TypeError) as error:
+        message = error.args[0] if isinstance(error, KeyError) else error
+        raise ValueError(f"{where}: entry {line.get('cell_id')}: {message}") from None
 
 
 def _numbered_entries(lines: list[Any], path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -275,7 +266,7 @@ def _numbered_entries(lines: list[Any], path: Path) -> list[tuple[int, dict[str,
     status) is skipped with a warning naming it, not counted as a failed cell."""
     entries = []
     for number, line in enumerate(lines, start=1):
-        if _is_entry(line):
+        if is_entry(line):
             entries.append((number, line))
         else:
             log.warning("%s:%d is not a cell entry (no cell_id, or status not %s/%s); skipped", path, number, OK,
@@ -283,7 +274,7 @@ def _numbered_entries(lines: list[Any], path: Path) -> list[tuple[int, dict[str,
     return entries
 
 
-def newest_entries(entries: Iterable[T], cell_id: Callable[[T], Any] = lambda entry: entry.cell_id
+def newest_entries(entries: Iterable[T], cell_id: Callable[[T], Any] = lambda entry: entry.cell_id  # type: ignore
                    ) -> dict[Any, T]:
     """The newest entry of each cell id (a later entry of a cell replaces its earlier ones), in the order the
     newest entries were written: the one rule by which a store's cells are read."""
@@ -295,6 +286,7 @@ def newest_entries(entries: Iterable[T], cell_id: Callable[[T], Any] = lambda en
     return newest
 
 
-def _is_entry(line: Any) -> bool:
+def is_entry(line: Any) -> bool:
+    """Whether a line of a store is a cell entry: a cell id and an ok or failed status."""
     return (isinstance(line, dict) and isinstance(line.get("cell_id"), str) and bool(line["cell_id"])
             and line.get("status") in (OK, FAILED))

@@ -3,9 +3,9 @@
 The manifest holds the shape of every layer (query/kv heads, head size, intermediate size, o_proj/down_proj
 biases), the parameter count, the kind of config written, the method, the provenance and the sha256 of the weights
 file and of config.json (``"sha256": {file: hex digest}``). ``check_saved`` verifies both before anything in the
-directory is read; a directory saved before a file's checksum was recorded (formats 1-3) loads with a warning naming
-the risk, and one that rcpu-bench saved (its config class, model card or model source files say so) but whose
-manifest is gone is refused (``pruned_directory``): deleting the manifest does not turn the checks off.
+directory is read; a directory of an earlier format is refused, naming ``rcpu-bench migrate``, which converts it
+(``rcpu_bench.model.migrate``), and one that rcpu-bench saved (its config class, model card or model source files say
+so) but whose manifest is gone is refused (``pruned_directory``): deleting the manifest does not turn the checks off.
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ from rcpu_bench.paths import inside
 from rcpu_bench.records import library_versions
 
 FORMAT = "rcpu-bench-pruned"
-FORMAT_VERSION = 4  # 4: config.json's sha256 recorded too
-SUPPORTED_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 4  # 4: config.json's sha256 recorded too; earlier versions: rcpu_bench.model.migrate
 MANIFEST = "rcpu_manifest.json"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 CARD = "README.md"
 SAVED_CONFIG_TYPES = (RcpuPrunedConfig.model_type, "rcpu_llama")  # config.json model types only rcpu-bench writes
-RE_SAVE = "re-save it (save_pruned of the loaded model, or prune --save again) to record them"
+MIGRATE = "convert it with `rcpu-bench migrate {directory}`"
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ def weights_file(directory: Path, name: Any) -> Path:
 
 def recorded_sha256(manifest: dict[str, Any], where: Path) -> str | None:
     """The sha256 the manifest at ``where`` records for its ``weights`` file (which must lie in the manifest's
-    directory); None for a manifest written before checksums."""
+    directory); None for a format that records none (a model method's own, written before its checksums)."""
     weights_file(where.parent, manifest.get("weights"))
     checksums = manifest.get("sha256")
     if checksums is None:
@@ -84,10 +83,10 @@ def recorded_sha256(manifest: dict[str, Any], where: Path) -> str | None:
 
 
 def verify_checksum(path: Path, expected: str | None) -> None:
-    """Compare ``path``'s sha256 with the manifest's; a directory saved before checksums is loaded with a warning."""
+    """Compare ``path``'s sha256 with the manifest's; a format that records none is loaded with a warning."""
     if expected is None:
-        warn_once(f"{path} has no recorded sha256 (saved before rcpu-bench recorded checksums): a corrupted or "
-                  f"replaced file would load unnoticed; {RE_SAVE}")
+        warn_once(f"{path} has no recorded sha256 (saved before its format recorded checksums): a corrupted or "
+                  "replaced file would load unnoticed; save it again to record them")
         return
     found = file_sha256(path)
     if found != expected:
@@ -102,21 +101,15 @@ def warn_once(message: str) -> None:
 
 
 def check_config_checksum(directory: Path, manifest: dict[str, Any]) -> None:
-    """Compare config.json's sha256 with the one the manifest records (format 4 on: a missing one is an error);
-    a manifest of format 1-3, written before it was recorded, leaves config.json unverified with a warning."""
-    where = directory / MANIFEST
+    """Compare config.json's sha256 with the one the manifest records (a missing one is an error)."""
     checksums = manifest.get("sha256")
     expected = checksums.get(CONFIG) if isinstance(checksums, dict) else None
-    if expected is None and manifest["format_version"] >= 4:
-        raise ValueError(f"{where}: sha256 records no checksum for {CONFIG}; allowed: the manifest as save_pruned "
-                         "wrote it")
+    if expected is None:
+        raise ValueError(f"{directory / MANIFEST}: sha256 records no checksum for {CONFIG}; allowed: the manifest as "
+                         "save_pruned wrote it")
     path = directory / CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{directory} has no {CONFIG}; allowed: the directory as save_pruned wrote it")
-    if expected is None:
-        warn_once(f"{path} is not verified ({where} was written before rcpu-bench recorded the checksum of {CONFIG}): "
-                  f"an edited config would load unnoticed; {RE_SAVE}")
-        return
     verify_checksum(path, expected)
 
 
@@ -140,10 +133,15 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 def check_format(manifest: dict[str, Any], path: Path) -> None:
-    """ValueError unless the manifest at ``path`` is ``save_pruned``'s, of a version this rcpu-bench reads."""
-    if manifest.get("format") != FORMAT or manifest.get("format_version") not in SUPPORTED_VERSIONS:
-        raise ValueError(f"{path} has format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
-                         f"supported: {FORMAT!r} version {', '.join(map(str, SUPPORTED_VERSIONS))}")
+    """ValueError unless the manifest at ``path`` is ``save_pruned``'s, of the version this rcpu-bench reads; an
+    earlier version's message names the command that converts it."""
+    version = manifest.get("format_version")
+    if manifest.get("format") == FORMAT and isinstance(version, int) and 0 < version < FORMAT_VERSION:
+        raise ValueError(f"{path.parent} was saved by an earlier rcpu-bench (format version {version}; this release "
+                         f"reads version {FORMAT_VERSION}): {MIGRATE.format(directory=path.parent)}")
+    if manifest.get("format") != FORMAT or version != FORMAT_VERSION:
+        raise ValueError(f"{path} has format {manifest.get('format')!r} version {version!r}; supported: {FORMAT!r} "
+                         f"version {FORMAT_VERSION}")
 
 
 def read_json_manifest(path: Path) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from rcpu_bench.records import Record
 from rcpu_bench.version import __version__
 
 TITLE = "# Pruned model (rcpu-bench)"
@@ -68,7 +69,7 @@ def source_name(provenance: dict[str, Any]) -> Any:
     return source
 
 
-def recipe_command(manifest: dict[str, Any], record: dict[str, Any]) -> str | None:
+def recipe_command(manifest: dict[str, Any], record: Record | None) -> str | None:
     """The ``rcpu-bench prune`` command that reproduces the model (None when neither source nor method is known)."""
     provenance, method = manifest.get("provenance") or {}, manifest.get("method") or {}
     source = source_name(provenance)
@@ -82,30 +83,29 @@ def recipe_command(manifest: dict[str, Any], record: dict[str, Any]) -> str | No
         words += ["--prune", ",".join(method["prune"])]
     for key, flag in (("scorer_params", "--scorer-param"), ("compensator_params", "--compensator-param")):
         words += [part for name, value in (method.get(key) or {}).items() for part in (flag, f"{name}={value!r}")]
-    calib = (record.get("experiment") or {}).get("calib")
+    calib = record.experiment.get("calib") if record is not None else None
     if calib:
         words += ["--calib", calib]
     return shlex.join(words)
 
 
-def evaluation_rows(record: dict[str, Any]) -> list[str]:
+def evaluation_rows(record: Record) -> list[str]:
     """Markdown rows: each perplexity profile, pruned beside dense (when the run measured the dense model too)."""
-    dense = {p["profile"]: p["ppl"] for p in record.get("dense_perplexity") or []}
+    dense = {p.profile: p.ppl for p in record.dense_perplexity or ()}
     rows = []
-    for entry in record.get("perplexity") or []:
-        before = dense.get(entry["profile"])
-        recovery = f"{100 * before / entry['ppl']:.1f} %" if before else "not measured"
-        rows.append(f"| {entry['profile']} | {entry.get('dataset')} | {entry['ppl']:.4f} | "
+    for entry in record.perplexity:
+        before = dense.get(entry.profile)
+        recovery = f"{100 * before / entry.ppl:.1f} %" if before else "not measured"
+        rows.append(f"| {entry.profile} | {entry.dataset} | {entry.ppl:.4f} | "
                     f"{f'{before:.4f}' if before else 'not measured'} | {recovery} | "
-                    f"{entry.get('n_windows')} × {entry.get('seqlen')} |")
+                    f"{entry.n_windows} × {entry.seqlen} |")
     return rows
 
 
-def model_card(manifest: dict[str, Any], record: dict[str, Any] | None = None) -> str:
+def model_card(manifest: dict[str, Any], record: Record | None = None) -> str:
     """The README.md of a saved model (module docstring). The calibration, the parameter counts before pruning and
     the evaluation come from the experiment's result ``record`` when one is given; without it the card says they were
     not recorded."""
-    record = record or {}
     provenance, method = manifest.get("provenance") or {}, manifest.get("method") or {}
     real = provenance.get("real_model") or {}
     source = source_name(provenance)
@@ -120,12 +120,12 @@ def model_card(manifest: dict[str, Any], record: dict[str, Any] | None = None) -
              ("ratio", "ratio"), ("structure", "structure"), ("statistics", "statistics")]
     lines += ["| | |", "|---|---|", *(f"| {label} | `{method[key]}` |" for label, key in named
                                       if method.get(key) is not None)]
-    calibration = record.get("calibration")
+    calibration = record.calibration if record is not None else None
     lines.append(f"| calibration | {_calibration_text(calibration) if calibration else 'not recorded'} |")
-    before = (record.get("parameters") or {}).get("before")
+    before = record.parameters.before if record is not None else None
     count = f"{manifest['parameter_count']:,}" + (f" (of {before:,} before pruning)" if before else "")
     lines += [f"| parameters | {count} |", "", "## Evaluation", ""]
-    rows = evaluation_rows(record)
+    rows = evaluation_rows(record) if record is not None else []
     if rows:
         lines += ["| profile | dataset | perplexity | dense | recovery | windows × length |",
                   "|---|---|---|---|---|---|", *rows]

@@ -17,9 +17,8 @@ A pruned model is saved as a directory with
 
 ``load_pruned`` verifies the directory (``manifest.check_saved``), builds the model without weights (meta device)
 from config.json, checks each layer against the manifest, then loads the weights strictly; it needs nothing but
-that directory, and also reads format versions 1 (the original config, which it shrinks layer by layer with the
-surgery functions), 2 (a ``LlamaConfig``, or the Llama-only per-layer ``RcpuLlamaConfig`` it reads as an
-``RcpuPrunedConfig``) and 3 (no checksum of config.json).
+that directory. It reads today's format (manifest version 4); ``rcpu-bench migrate`` (``rcpu_bench.model.migrate``)
+brings a directory of an earlier format to it.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from rcpu_bench.atomic_file import check_free_space, file_sha256, write_atomically
 from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import layer_geometries, model_view
-from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, format_2_per_layer_config, write_per_layer_config
+from rcpu_bench.model.hf_format import PER_LAYER, RcpuPrunedConfig, write_per_layer_config
 from rcpu_bench.model.loading import (
     LoadedModel,
     check_remote_code,
@@ -73,20 +72,20 @@ from rcpu_bench.model.manifest import (
     weights_file,
 )
 from rcpu_bench.model.model_card import model_card
-from rcpu_bench.model.views import MODULES, LayerView
+from rcpu_bench.records import Record
 
 try:
     from huggingface_hub.errors import StrictDataclassError
 except ImportError:  # huggingface_hub < 0.35 (the transformers 4.x floor): configs are not strict dataclasses there
     StrictDataclassError = ValueError  # type: ignore[misc,assignment]
 
-CONFIG_KINDS = ("family", "per_layer", "llama", "rcpu_llama", "original")  # the last three: formats 1 and 2
+CONFIG_KINDS = ("family", "per_layer")  # the family's own config, or the per-layer RcpuPrunedConfig
 
 log = logging.getLogger(__name__)
 
 
 def save_pruned(model: PreTrainedModel, directory: str | os.PathLike, *, tokenizer: Any = None,
-                method: dict | None = None, provenance: dict | None = None, record: dict | None = None,
+                method: dict | None = None, provenance: dict | None = None, record: Record | None = None,
                 overwrite: bool = False) -> dict:
     """Save a (pruned) model to ``directory`` (atomically, see ``write_atomically``) and return its manifest.
 
@@ -220,48 +219,15 @@ def unique_tensors(model: nn.Module) -> dict[str, Tensor]:
     return tensors
 
 
-def _placeholder(linear: nn.Linear, *shape: int) -> Tensor:
-    """A weightless (meta) tensor standing in for a compensated weight or bias while reshaping."""
-    return torch.empty(linear.out_features, *shape, device="meta")
-
-
-def _reshape_layer(view: LayerView, record: dict[str, Any]) -> None:
-    """Shrink an unpruned layer to the manifest record's head and channel counts (weights are dummies)."""
-    geometry = view.geometry
-    kept_kv_heads = torch.arange(record["n_kv_heads"])
-    per_group = torch.arange(record["n_heads"] // record["n_kv_heads"])
-    kept_heads = (kept_kv_heads[:, None] * geometry.queries_per_group + per_group).reshape(-1)
-    kept_channels = torch.arange(record["intermediate"])
-    weights = {"attention": len(kept_heads) * geometry.head_dim, "mlp": len(kept_channels)}
-    weight: dict[str, Tensor] = {}
-    bias: dict[str, Tensor | None] = {}
-    for module in MODULES:
-        consumer = view.projection(module)
-        weight[module] = _placeholder(consumer, weights[module])
-        bias[module] = _placeholder(consumer) if record[view.bias_key(module)] and consumer.bias is None else None
-    view.prune_heads(kept_heads, kept_kv_heads, weight["attention"], bias["attention"])
-    view.prune_channels(kept_channels, weight["mlp"], bias["mlp"])
-
-
 def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtype: torch.dtype, *,
-                   reshape: bool, trust_remote_code: bool = False) -> PreTrainedModel:
-    """A weightless (meta) model of ``config`` whose layers must have the shapes in ``records``.
-
-    ``reshape``: ``config`` is the unpruned one (format 1, or a non-Llama model), so each layer is first
-    shrunk to its record; else ``config`` already describes the pruned layers. Either way the built
-    layers are checked against ``records``.
-    """
+                   trust_remote_code: bool = False) -> PreTrainedModel:
+    """A weightless (meta) model of ``config`` (which describes the pruned layers), its layers checked against the
+    manifest's ``records``."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **dtype_argument(dtype))
-    layers = model_view(model).views()
-    if len(records) != len(layers):
-        raise ValueError(f"{MANIFEST} describes {len(records)} layers but the config has {len(layers)}")
-    for i, (layer, record) in enumerate(zip(layers, records, strict=True) if reshape else ()):
-        try:
-            _reshape_layer(layer, record)
-        except (KeyError, ValueError, ZeroDivisionError) as error:
-            raise ValueError(f"{MANIFEST} layer {i} {record} does not fit the config: {error}") from error
     built = layer_records(model)
+    if len(records) != len(built):
+        raise ValueError(f"{MANIFEST} describes {len(records)} layers but the config has {len(built)}")
     if built != records:
         bad = next(i for i, (a, b) in enumerate(zip(built, records, strict=True)) if a != b)
         raise ValueError(f"{MANIFEST} layer {bad} is {records[bad]} but the config builds {built[bad]}")
@@ -270,7 +236,7 @@ def build_skeleton(config: PretrainedConfig, records: list[dict[str, Any]], dtyp
 
 def load_pruned(directory: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
                 trust_remote_code: bool = False) -> LoadedModel:
-    """Rebuild a model saved by ``save_pruned`` (format 1, 2 or 3), in eval mode, from its directory alone.
+    """Rebuild a model saved by ``save_pruned``, in eval mode, from its directory alone.
 
     The weights are loaded strictly (every tensor present, shapes equal) and the parameter count is
     checked against the manifest's. The tokenizer is None when none was saved. No code from the directory
@@ -290,23 +256,19 @@ def saved_skeleton(directory: Path, manifest: dict[str, Any], dtype: torch.dtype
     """The weightless (meta) model of a checked ``save_pruned`` directory: its config.json built and its layers
     checked against the manifest (``build_skeleton``)."""
     config = read_saved_config(directory, manifest, trust_remote_code=trust_remote_code)
-    reshape = manifest.get("config", "original") == "original"  # format 1 saved the original config
-    return build_skeleton(config, manifest["layers"], dtype, reshape=reshape, trust_remote_code=trust_remote_code)
+    return build_skeleton(config, manifest["layers"], dtype, trust_remote_code=trust_remote_code)
 
 
 def read_saved_config(directory: Path, manifest: dict, *, trust_remote_code: bool = False) -> PretrainedConfig:
     """The config.json of a ``save_pruned`` directory, of the kind its manifest names; code from the directory
     runs only with ``trust_remote_code`` (else transformers raises), and never for the per-layer format."""
-    kind = manifest.get("config", "original")  # format 1 saved the original config
+    kind = manifest.get("config")
     if kind not in CONFIG_KINDS:
         raise ValueError(f"{directory / MANIFEST} has config {kind!r}; allowed: {', '.join(CONFIG_KINDS)}")
-    if kind == "rcpu_llama":
-        config = format_2_per_layer_config(json.loads((directory / CONFIG).read_text()))
-    else:
-        trust = trust_remote_code and kind != "per_layer"
-        check_remote_code(str(directory), directory / CONFIG, trust)
-        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust)
-    if (kind in ("per_layer", "rcpu_llama")) != isinstance(config, RcpuPrunedConfig):
+    trust = trust_remote_code and kind != "per_layer"
+    check_remote_code(str(directory), directory / CONFIG, trust)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust)
+    if (kind == "per_layer") != isinstance(config, RcpuPrunedConfig):
         raise ValueError(f"{directory / MANIFEST} says config {kind!r} but config.json is a {type(config).__name__}")
     return config
 

@@ -116,10 +116,11 @@ class LayerView(ABC):
             return UnitMap(geometry.head_dim * geometry.queries_per_group)
         return UnitMap(geometry.head_dim, group_size=geometry.queries_per_group)
 
-    def n_units(self, module: str) -> int:
-        """Units of the module under the "group" rule: key/value groups, or channels."""
-        geometry = self.geometry
-        return geometry.n_kv_heads if check_module(module) == "attention" else geometry.intermediate
+    def n_units(self, module: str, gqa_rule: str = "group") -> int:
+        """How many units the module has under ``gqa_rule`` (:meth:`units`): its consumer's input columns over the
+        unit size, i.e. key/value groups (rule "group") or query heads (rule "query") of the attention, channels
+        of the MLP."""
+        return self.projection(module).weight.shape[1] // self.units(module, gqa_rule).unit_size
 
     def unit_cost(self, module: str) -> float:
         """Weights removed with one unit ("group" rule): Σ over producers and consumer of their weights / units.

@@ -5,7 +5,7 @@
 - ``al-am``: FLAP's adaptive structure, one global threshold on standardized unit scores (:func:`al_am`); the
   option ``structure: al-am`` is the same allocation (``allocation: al-am`` is stored as it, so cell ids stay);
 - ``search``: Týr-the-Pruner's evolutionary search over per-layer levels on the model itself
-  (``rcpu_bench.pruning.search``), a ``hookspecs.ModelAllocation``;
+  (``rcpu_bench.methods.search``), a ``hookspecs.ModelAllocation``;
 - a third-party profile or model allocation registered with the ``register_allocations`` hook
   (``hookspecs.Allocation``).
 

@@ -14,9 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from rcpu_bench import strict_json
-from rcpu_bench.finite import check_parameters
 from rcpu_bench.model.adapter import decoder_layers, layer_view
-from rcpu_bench.model.capture import LayerInput
 from rcpu_bench.model.views import LayerView
 from rcpu_bench.pruning.allocation import (
     AL_AM,
@@ -27,24 +25,12 @@ from rcpu_bench.pruning.allocation import (
     layer_units,
     units_to_prune,
 )
-from rcpu_bench.pruning.layer_pass import (
-    Plan,
-    Timer,
-    capture,
-    check_statistics,
-    collect,
-    on_device,
-    prune_module,
-    statistics_needs,
-    statistics_plan,
-)
-from rcpu_bench.pruning.options import MODULES, PruneConfig
+from rcpu_bench.pruning.layer_pass import Plan, prune_module, statistics_needs, statistics_plan
+from rcpu_bench.pruning.options import PruneConfig
+from rcpu_bench.pruning.timing import Timer
+from rcpu_bench.pruning.walk import walk_layers
 from rcpu_bench.registry import PluginContractError, Registry, Resolved
-from rcpu_bench.selection.select import (
-    Selection,
-    kept_multiple,
-    round_kept,
-)
+from rcpu_bench.selection.select import Selection, kept_multiple, round_kept
 from rcpu_bench.statistics.activations import ActivationStats
 
 
@@ -64,7 +50,7 @@ class AllocationTask:
     @property
     def modules(self) -> list[str]:
         """The pruned modules, in pruning order."""
-        return [m for m in MODULES if m in self.config.prune]
+        return list(self.config.pruned_modules)
 
     def holdout(self, n_windows: int) -> Tensor:
         """``n_windows`` held-out windows (n × seqlen token ids), disjoint from the calibration windows and from the
@@ -77,18 +63,11 @@ class AllocationTask:
     def dense_layers(self) -> Iterator[tuple[int, LayerView, dict[str, ActivationStats]]]:
         """Each decoder layer (on the device while it is yielded) with the statistics its modules' scorer and
         compensator read, planned as the run plans them, from one pass of the dense model over the calibration
-        windows: one-shot, every layer sees the dense outputs of the layer before."""
-        inputs = capture(self.model, self.calib_ids, self.config, self.device)
+        windows (the layer walk): one-shot, every layer sees the dense outputs of the layer before."""
         needs = statistics_needs(self.modules, self.config, self.methods)
-        for index, layer in enumerate(decoder_layers(self.model)):
-            view = layer_view(layer)
-            with on_device(layer, self.device, self.config.offload):
-                plan = statistics_plan(view, needs, inputs, self.config)
-                stats, outputs = collect(view, inputs, plan, self.config.gram_precision)
-                for module in self.modules:
-                    check_statistics(stats[module], index, module)
-                yield index, view, stats
-            inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
+        for step in walk_layers(self.model, self.calib_ids, self.config, self.device,
+                                plan=lambda step: statistics_plan(step.view, needs, step.inputs, self.config)):
+            yield step.index, step.view, step.stats
 
     def prune(self, view: LayerView, module: str, stats: ActivationStats, n_prune: int) -> dict[str, Any]:
         """Prune ``n_prune`` units of one module of ``view`` in place with the run's scorer or selector and
@@ -121,7 +100,7 @@ def allocate(task: AllocationTask, registry: Registry
     plans: list[dict[str, Selection | int]] = []
     for layer, ratio in zip(layers, ratios, strict=True):
         view = layer_view(layer)
-        plans.append({m: units_to_prune(view.units(m, config.gqa_rule), _n_units(view, m, config.gqa_rule), ratio,
+        plans.append({m: units_to_prune(view.units(m, config.gqa_rule), view.n_units(m, config.gqa_rule), ratio,
                                         config.rounding) for m in modules})
     return plans, None
 
@@ -130,16 +109,12 @@ def _model_allocation(task: AllocationTask, allocation: Callable[[AllocationTask
                       ) -> tuple[list[dict[str, Selection | int]], dict[str, Any]]:
     """A ``hookspecs.ModelAllocation``'s counts and report, checked against its contract."""
     counts, report = allocation(task)
-    n_units = [{m: _n_units(layer_view(layer), m, task.config.gqa_rule) for m in task.modules}
-                for layer in decoder_layers(task.model)]
+    n_units = [{m: layer_view(layer).n_units(m, task.config.gqa_rule) for m in task.modules}
+               for layer in decoder_layers(task.model)]
     problem = counts_problem(counts, n_units) or strict_json.problem(report, "its report")
     if problem:
         raise PluginContractError(f"allocation {name!r} from {provider} returned {problem}")
     return counts, {"allocation": report}
-
-
-def _n_units(view: Any, module: str, gqa_rule: str) -> int:
-    return view.projection(module).weight.shape[1] // view.units(module, gqa_rule).unit_size
 
 
 @torch.no_grad()
@@ -147,19 +122,13 @@ def global_selections(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
                       params: dict[str, Any], device: torch.device) -> list[dict[str, Selection]]:
     """FLAP AL-AM (``allocation.al_am``) on the ``scorer``'s standardized unit scores from one dense pass (one-shot
     statistics, moments only)."""
-    modules = [m for m in MODULES if m in config.prune]
-    inputs = capture(model, calib_ids, config, device)
+    modules = list(config.pruned_modules)
     units = []
-    for index, layer in enumerate(decoder_layers(model)):
-        view = layer_view(layer)
-        with on_device(layer, device, config.offload):
-            check_parameters(layer, f"layer {index} before pruning")
-            stats, outputs = collect(view, inputs, dict.fromkeys(modules, Plan(frozenset())), config.gram_precision)
-            for module in modules:
-                check_statistics(stats[module], index, module)
-                scores = scorer(view.projection(module).weight, stats[module], **params)
-                units += layer_units(layer, index, module, scores, config.gqa_rule)
-        inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
+    for step in walk_layers(model, calib_ids, config, device,
+                            plan=lambda _: dict.fromkeys(modules, Plan(frozenset()))):
+        for module in modules:
+            scores = scorer(step.view.projection(module).weight, step.stats[module], **params)
+            units += layer_units(step.layer, step.index, module, scores, config.gqa_rule)
     layers = decoder_layers(model)
     selections = al_am(units, config.ratio, len(layers), modules)
     if config.round_to:

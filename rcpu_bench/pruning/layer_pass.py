@@ -1,29 +1,24 @@
-"""One decoder layer's prune-and-compensate, the steps of the pipeline (``rcpu_bench.pruning.pipeline``): the pass
-that streams each module's input statistics (planned as the cheapest sufficient set, ``statistics.flops``), the
-selection of units by the run's scorer or selector, the compensation, and the surgery that shrinks the module.
+"""One decoder layer's prune-and-compensate, the steps of the pipeline (``rcpu_bench.pruning.pipeline``): the plan of
+the statistics each module's pass streams (the cheapest sufficient set, ``statistics.flops``; the layer walk,
+``rcpu_bench.pruning.walk``, runs the pass), the selection of units by the run's scorer or selector, the
+compensation, and the surgery that shrinks the module.
 """
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, cast
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from rcpu_bench.compensation.diagnostics import module_generalisation
-from rcpu_bench.finite import check_tensor
 from rcpu_bench.hookspecs import ScorerEntry, SelectorEntry
-from rcpu_bench.model.adapter import model_view
-from rcpu_bench.model.capture import LayerInput, capture_layer_inputs, run_layer
+from rcpu_bench.model.capture import LayerInput
 from rcpu_bench.model.views import LayerView
-from rcpu_bench.pruning.allocation import (
-    units_to_prune,
-)
+from rcpu_bench.pruning.allocation import units_to_prune
 from rcpu_bench.pruning.options import PruneConfig
+from rcpu_bench.pruning.timing import Timer
 from rcpu_bench.registry import Resolved
 from rcpu_bench.selection.scorers import unit_scores
 from rcpu_bench.selection.select import (
@@ -34,28 +29,8 @@ from rcpu_bench.selection.select import (
     select_lowest,
     select_within_groups,
 )
-from rcpu_bench.statistics.activations import ActivationStats, GramPrecision, collect_input_stats
+from rcpu_bench.statistics.activations import ActivationStats
 from rcpu_bench.statistics.flops import cheapest_statistics, expected_kept
-
-
-class Timer:
-    """Accumulates wall time per named section, synchronising the accelerator around each."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds: dict[str, float] = {}
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextmanager
-    def __call__(self, name: str):
-        self._sync()
-        start = time.perf_counter()
-        yield
-        self._sync()
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def select_units(mapping: UnitMap, scores: Tensor, n_prune: int, how: str, round_to: int = 0) -> Selection:
@@ -91,8 +66,8 @@ def prune_module(view: LayerView, module: str, stats: ActivationStats, config: P
     proj = view.projection(module)
     mapping = view.units(module, config.gqa_rule)
     if units is None:
-        n_units = proj.weight.shape[1] // mapping.unit_size
-        count = units_to_prune(mapping, n_units, config.ratio, config.rounding) if n_prune is None else n_prune
+        count = (units_to_prune(mapping, view.n_units(module, config.gqa_rule), config.ratio, config.rounding)
+                 if n_prune is None else n_prune)
         with timer("score"):
             units = select(proj.weight, stats, mapping, count, config, methods)
     columns = units.columns(mapping.unit_size)
@@ -157,54 +132,6 @@ def statistics_plan(view: LayerView, needs: dict[str, str], inputs: list[LayerIn
     return plan
 
 
-def statistics_needs(modules: list[str], config: PruneConfig, methods: Resolved) -> dict[str, str]:
+def statistics_needs(modules: Sequence[str], config: PruneConfig, methods: Resolved) -> dict[str, str]:
     """What each module's scorer and compensator read; G for every pruned module with the held-out diagnostics."""
     return {m: "gram" if config.holdout else methods.needs(m in config.compensate) for m in modules}
-
-
-@contextmanager
-def on_device(layer: nn.Module, device: torch.device, offload: bool, timer: Timer | None = None):
-    """With offloading, only the current layer sits on the accelerator; its moves there and back are timed as the
-    phase "offload" of ``timer`` when given (about 38 s of the 77 s layer loop of a 13B-shaped prune on an H200,
-    untimed before)."""
-    moves = nullcontext if timer is None else partial(timer, "offload")
-    if offload:
-        with moves():
-            layer.to(device)
-    try:
-        yield
-    finally:
-        if offload:
-            with moves():
-                layer.to("cpu")
-
-
-def collect(view: LayerView, inputs: list[LayerInput], plan: dict[str, Plan],
-             gram_precision: GramPrecision = "mixed") -> tuple[dict[str, ActivationStats], list[Tensor]]:
-    """One pass of the layer over the calibration inputs, streaming each planned module's statistics."""
-    projections = {m: view.projection(m) for m in plan}
-    with collect_input_stats(projections, with_gram=[m for m, p in plan.items() if "gram" in p.kinds],
-                             with_cross=[m for m, p in plan.items() if "cross" in p.kinds],
-                             dropped={m: p.dropped for m, p in plan.items() if p.dropped is not None},
-                             gram_precision=gram_precision) as stats:
-        outputs = run_layer(view.layer, inputs)
-    return stats, outputs
-
-
-def capture(model: nn.Module, calib_ids: Tensor, config: PruneConfig, device: torch.device) -> list[LayerInput]:
-    """Layer-0 inputs; with offloading only the embeddings (and rotary tables) visit the device."""
-    if not config.offload:
-        return capture_layer_inputs(model, calib_ids, config.batch_size, device)
-    front = model_view(model).front
-    for module in front:
-        module.to(device)
-    try:
-        return capture_layer_inputs(model, calib_ids, config.batch_size, device)
-    finally:
-        for module in front:
-            module.to("cpu")
-
-
-def check_statistics(stats: ActivationStats, index: int, module: str) -> None:
-    """Σx² is NaN or inf exactly when some calibration input is: stop before a scorer sees it."""
-    check_tensor(stats.sq_sum, f"layer {index} {module}: the statistics of its pruned projection's inputs")

@@ -43,8 +43,7 @@ class Recipe:
     def matches(self, config: Mapping[str, Any]) -> bool:
         """Whether ``config`` is this recipe: the options it sets equal, its other identity options at their default."""
         names = self.identity or (*self.prune, *RECIPE_OPTIONS)
-        return all(config.get(name, BY_NAME[name].default) == self.prune.get(name, BY_NAME[name].default)
-                   for name in names)
+        return all(config[name] == self.prune.get(name, BY_NAME[name].default) for name in names)
 
 
 RECIPES: dict[str, Recipe] = {r.key: r for r in (
@@ -69,7 +68,7 @@ RECIPES: dict[str, Recipe] = {r.key: r for r in (
     Recipe("slicegpt-params", "SliceGPT (param. budget)",
            {"model_method": "slicegpt", "model_method_params": {"budget": "params"}},
            identity=("model_method", "model_method_params")),
-    # Depth baselines (rcpu_bench/pruning/depth.py): whole layers, as many as width pruning at the ratio removes.
+    # Depth baselines (rcpu_bench/methods/depth/): whole layers, as many as width pruning at the ratio removes.
     Recipe("shortgpt", "ShortGPT", {"model_method": "shortgpt"}, identity=("model_method", "model_method_params")),
     Recipe("replaceme", "ReplaceMe (LS)", {"model_method": "replaceme"},
            identity=("model_method", "model_method_params")),
@@ -109,11 +108,9 @@ def method_label(config: Mapping[str, Any], name: str | None = None) -> str:
     recipe = recipe_of(config)
     if recipe is not None:
         return recipe.label
-    model_method = config.get("model_method")
-    head = model_method or f"{config['scorer']}+{config['compensator']}"
+    head = config["model_method"] or f"{config['scorer']}+{config['compensator']}"
     changed = [f"{key}={config[key]}" for key in RECIPE_OPTIONS
-               if key not in ("scorer", "compensator", "model_method") and config.get(key, BY_NAME[key].default)
-               != BY_NAME[key].default]
+               if key not in ("scorer", "compensator", "model_method") and config[key] != BY_NAME[key].default]
     return f"{head} [{', '.join(changed)}]" if changed else head
 
 

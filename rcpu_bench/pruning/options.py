@@ -1,6 +1,6 @@
 """The options of a pruning run, each declared once (:data:`OPTIONS`), and what is derived from the declaration.
 
-An :class:`rcpu_bench.declaration.Option` (the mechanism shared with :mod:`rcpu_bench.experiment_options`) holds a
+An :class:`rcpu_bench.declaration.Option` (the mechanism shared with :class:`rcpu_bench.experiment.Experiment`) holds a
 :class:`PruneConfig` field's name, default, kind of value (which fixes how it is parsed and checked), allowed
 choices, help text, whether it enters a cell id always or only when set away from its default (options added
 after results were stored, so that stored ids stay valid) and whether it
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal, get_args, get_type_hints
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
-from rcpu_bench.declaration import Kind, Option, add_argument
+from rcpu_bench.declaration import Option, add_argument, declared, option
 from rcpu_bench.declaration import markdown_table as options_table
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.views import MODULES
-from rcpu_bench.pruning import depth
 from rcpu_bench.pruning.allocation import AL_AM, UNIFORM
 from rcpu_bench.selection.select import Rounding, kept_multiple, n_pruned
 from rcpu_bench.statistics.activations import GramPrecision
@@ -32,15 +31,6 @@ if TYPE_CHECKING:
 
     from rcpu_bench.model.views import LayerGeometry
     from rcpu_bench.registry import Registry
-
-
-def option(kind: Kind, default: Any, help: str, *, hashed: Literal["always", "when-set"] = "always",
-           recipe: bool = False, cli: str | None = None) -> Any:
-    """A PruneConfig field declared as an option; its name, type and (for a ``Literal``) choices come from the field."""
-    metadata = {"option": {"kind": kind, "help": help, "hashed": hashed, "recipe": recipe, "cli": cli}}
-    if kind == "params":
-        return field(default_factory=dict, metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -113,10 +103,15 @@ class PruneConfig:
                                  "'uniform' or 'al-am'")
             self.structure, self.allocation = AL_AM, UNIFORM
 
+    @property
+    def pruned_modules(self) -> tuple[str, ...]:
+        """The modules this run prunes, in the order it prunes them (:data:`MODULES`: attention, then the MLP)."""
+        return tuple(module for module in MODULES if module in self.prune)
+
     def validate(self, registry: Registry) -> None:
         """Raise a clear error for any bad value before work starts: each option's own check, then the registry's."""
-        for option in OPTIONS:
-            option.check(getattr(self, option.name))
+        for declared_option in OPTIONS:
+            declared_option.check(getattr(self, declared_option.name))
         grouped = self.gqa_rule == "query" and "attention" in self.prune and self.model_method is None
         registry.selection(self.scorer).validate(self.scorer_params, group_size=2 if grouped else 1)
         if self.structure == AL_AM and (self.allocation != UNIFORM or self.allocation_params):
@@ -143,14 +138,16 @@ class PruneConfig:
 
     def check_budget(self, skeleton: nn.Module, registry: Registry) -> None:
         """Raise a clear error for every limit the model's shape decides, before its weights load: the units each
-        layer loses under the allocation (``check_units``), ``round_to`` against each module's units, and a depth
-        method's layer count (``depth.check_ratio``); ``skeleton`` may be weightless (meta)."""
+        layer loses under the allocation (``check_units``), ``round_to`` against each module's units, and a whole-model
+        method's own check of the model at the ratio (its ``check=``: a depth method's layer count, say);
+        ``skeleton`` may be weightless (meta)."""
         geometries = layer_geometries(skeleton)
         self.check_units(geometries, self.layer_ratios(registry, len(geometries)))
         if self.round_to:
             self._check_round_to(geometries)
-        if self.model_method is not None:
-            depth.check_ratio(registry.get("model-method", self.model_method).fn, skeleton, self.ratio)
+        method = registry.get("model-method", self.model_method) if self.model_method is not None else None
+        if method is not None and method.check is not None:
+            method.check(skeleton, ratio=self.ratio)
 
     def layer_ratios(self, registry: Registry, n_layers: int) -> list[float] | None:
         """The allocation profile's per-layer ratios, computed as the pipeline computes them (so a budget it cannot
@@ -228,6 +225,10 @@ class PruneConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def to_json(self) -> dict[str, Any]:
+        """The configuration as JSON data (tuples as lists), as cells and records store it."""
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+
 
 def selection_units(geometry: LayerGeometry, module: str, gqa_rule: str) -> tuple[int, str]:
     """How many units one selection of ``module`` chooses from, and what they are."""
@@ -238,15 +239,7 @@ def selection_units(geometry: LayerGeometry, module: str, gqa_rule: str) -> tupl
     return geometry.n_kv_heads, "key/value groups" if geometry.queries_per_group > 1 else "heads"
 
 
-def _declared() -> tuple[Option, ...]:
-    """The options as declared by PruneConfig's fields; a ``Literal`` type gives a choice's allowed values."""
-    hints = get_type_hints(PruneConfig)
-    return tuple(Option(name=f.name, default={} if f.default is MISSING else f.default,
-                        choices=get_args(hints[f.name]) if f.metadata["option"]["kind"] == "choice" else (),
-                        **f.metadata["option"]) for f in fields(PruneConfig))
-
-
-OPTIONS: tuple[Option, ...] = _declared()
+OPTIONS: tuple[Option, ...] = declared(PruneConfig)
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 # Options added after results were stored, with their default: a cell id hashes them only when set away from it.
 HASHED_WHEN_SET: dict[str, Any] = {o.name: o.default for o in OPTIONS if o.hashed == "when-set"}
@@ -257,8 +250,8 @@ RECIPE_OPTIONS: tuple[str, ...] = tuple(o.name for o in OPTIONS if o.recipe)
 def is_default_pipeline(config: Mapping[str, Any]) -> bool:
     """Whether a configuration runs the RCPU pipeline: every recipe option but the scorer and compensator at its
     default (what the plots compare: scorer × compensator on the same pipeline)."""
-    return all(config.get(name, BY_NAME[name].default) == BY_NAME[name].default
-               for name in RECIPE_OPTIONS if name not in ("scorer", "compensator"))
+    return all(config[name] == BY_NAME[name].default for name in RECIPE_OPTIONS
+               if name not in ("scorer", "compensator"))
 
 
 def as_field_type(option: Option, value: Any) -> Any:
@@ -287,8 +280,8 @@ def from_dict(mapping: Mapping[str, Any]) -> PruneConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per option (:attr:`Option.flag`); parameters are repeatable ``KEY=VALUE`` pairs."""
-    for option in OPTIONS:
-        add_argument(parser, option)
+    for declared_option in OPTIONS:
+        add_argument(parser, declared_option)
 
 
 def from_args(args: argparse.Namespace) -> PruneConfig:

@@ -1,6 +1,6 @@
 """Layer-wise prune-and-compensate (the paper's Algorithm 1, in the official code's order).
 
-For each decoder layer in turn:
+For each decoder layer in turn (the layer walk, ``pruning/walk.py``):
   1. run the calibration inputs (outputs of the already pruned layers) through the dense layer while
      forward hooks stream the input statistics of each module's pruned projection (o_proj, down_proj);
   2. score and select heads (or key/value groups) and MLP channels;
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, cast
 
 import torch
@@ -23,44 +22,15 @@ from torch import Tensor, nn
 
 from rcpu_bench import console, peak_memory
 from rcpu_bench.finite import check_parameters
-from rcpu_bench.model.adapter import check_prunable, decoder_layers, layer_view
-from rcpu_bench.model.capture import LayerInput, run_layer
-from rcpu_bench.model.views import LayerView
+from rcpu_bench.model.adapter import check_prunable, decoder_layers
+from rcpu_bench.model.capture import LayerInput
 from rcpu_bench.pruning.allocation_pass import AllocationTask, allocate
-from rcpu_bench.pruning.layer_pass import (
-    Timer,
-    capture,
-    check_statistics,
-    collect,
-    on_device,
-    prune_module,
-    statistics_needs,
-    statistics_plan,
-)
-from rcpu_bench.pruning.options import MODULES, PruneConfig
+from rcpu_bench.pruning.layer_pass import prune_module, statistics_needs, statistics_plan
+from rcpu_bench.pruning.options import PruneConfig
+from rcpu_bench.pruning.timing import Timer
+from rcpu_bench.pruning.walk import LayerStep, check_statistics, collect, walk_layers
 from rcpu_bench.registry import Registry, Resolved
 from rcpu_bench.selection.select import Selection
-from rcpu_bench.statistics.activations import ActivationStats
-
-
-class HeldOut:
-    """Held-out windows' layer inputs, advanced through the layers like the calibration inputs (diagnostics.py)."""
-
-    def __init__(self, inputs: list[LayerInput], modules: list[str], config: PruneConfig):
-        self.inputs, self.modules, self.config = inputs, modules, config
-
-    def dense_stats(self, view: LayerView, timer: Timer) -> dict[str, ActivationStats]:
-        """G (and moments, ‖Y‖², C if cheaper than W G[:,K]) of each module's held-out inputs from one dense pass."""
-        with timer("holdout"):
-            plan = statistics_plan(view, dict.fromkeys(self.modules, "gram"), self.inputs, self.config)
-            stats, self.dense_outputs = collect(view, self.inputs, plan, self.config.gram_precision)
-        return stats
-
-    def advance(self, layer: nn.Module, statistics: str, timer: Timer) -> None:
-        """Next layer's inputs: the pruned layer's outputs (sequential) or the dense ones (one-shot)."""
-        with timer("holdout"):
-            outputs = run_layer(layer, self.inputs) if statistics == "sequential" else self.dense_outputs
-        self.inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, self.inputs, strict=True)]
 
 
 @dataclass
@@ -99,34 +69,23 @@ def prune_model(model: nn.Module, calib_ids: Tensor, config: PruneConfig, *, reg
         return _run_model_method(model, calib_ids, config, methods, device)
     if config.ratio == 0 and config.compensator == "none" and not config.holdout:  # the dense model: nothing to do
         return PruneReport([], {}, peak_memory.peak_bytes(device))
-    check_prunable(model, [m for m in MODULES if m in config.prune])
-    layers = decoder_layers(model)
+    check_prunable(model, list(config.pruned_modules))
     totals = Timer(device)
     with totals("allocation"):  # AL-AM's dense pass, a model allocation's search, or a profile; ~0 for uniform
         task = AllocationTask(model, calib_ids, config, methods, device, progress, holdout_source)
         plans, allocation_report = allocate(task, registry)
-    with totals("capture"):
-        layer_0 = partial(capture, model, calib_ids, config, device)
-        inputs = reuse_capture(layer_0) if reuse_capture else layer_0()
-    held = _held_out(model, holdout_ids, config, device)
+    _check_held_out(holdout_ids, config)
+    needs = statistics_needs(config.pruned_modules, config, methods)
+    walk = walk_layers(model, calib_ids, config, device, timer=totals, reuse_capture=reuse_capture,
+                       holdout_ids=holdout_ids if config.holdout else None,
+                       advance="pruned" if config.statistics == "sequential" else "dense",
+                       plan=lambda step: statistics_plan(step.view, needs, step.inputs, config, plans[step.index]))
     reports = []
-    for index, layer in enumerate(console.progress(layers, desc="pruning layers", unit="layer", enabled=progress)):
-        timer = Timer(device)
-        view = layer_view(layer)
-        with on_device(layer, device, config.offload, timer):
-            check_parameters(layer, f"layer {index} before pruning")
-            held_stats = held.dense_stats(view, timer) if held else None
-            report, outputs = _prune_layer(view, inputs, config, methods, timer, plans[index], held_stats, index=index)
-            check_parameters(layer, f"layer {index} after pruning and compensation")
-            if config.statistics == "sequential":
-                with timer("forward"):
-                    outputs = run_layer(layer, inputs)
-            if held:
-                held.advance(layer, config.statistics, timer)
-        inputs = [LayerInput(out, x.kwargs) for out, x in zip(outputs, inputs, strict=True)]
-        reports.append({"layer": index, **report, "seconds": timer.seconds})
-        for key, value in timer.seconds.items():
-            totals.seconds[key] = totals.seconds.get(key, 0.0) + value
+    for step in console.progress(walk, desc="pruning layers", total=len(decoder_layers(model)), unit="layer",
+                                 enabled=progress):
+        report = _prune_layer(step, config, methods, plans[step.index])
+        check_parameters(step.layer, f"layer {step.index} after pruning and compensation")
+        reports.append({"layer": step.index, **report, "seconds": step.timer.seconds})  # complete once walked on
     return PruneReport(reports, totals.seconds, peak_memory.peak_bytes(device), allocation_report)
 
 
@@ -142,38 +101,28 @@ def _run_model_method(model: nn.Module, calib_ids: Tensor, config: PruneConfig, 
     return PruneReport([], timer.seconds, peak_memory.peak_bytes(device), report)
 
 
-def _held_out(model: nn.Module, holdout_ids: Tensor | None, config: PruneConfig,
-              device: torch.device) -> HeldOut | None:
-    """The held-out windows' layer-0 inputs, checked against ``config.holdout``; None without a held-out split."""
+def _check_held_out(holdout_ids: Tensor | None, config: PruneConfig) -> None:
+    """Refuse held-out windows that are not the ``config.holdout`` asked for."""
     rows = 0 if holdout_ids is None else len(holdout_ids)
     if rows != config.holdout:
         raise ValueError(f"holdout={config.holdout} but {rows} held-out windows were given; pass holdout_ids "
                          "(data.holdout_windows) with exactly that many windows")
-    if not rows:
-        return None
-    modules = [m for m in MODULES if m in config.prune]
-    return HeldOut(capture(model, cast(Tensor, holdout_ids), config, device), modules, config)  # rows > 0: given
 
 
-def _prune_layer(view: LayerView, inputs: list[LayerInput], config: PruneConfig, methods: Resolved, timer: Timer,
-                 allocated: dict[str, Selection | int], held_out: dict[str, ActivationStats] | None = None, *,
-                 index: int) -> tuple[dict[str, Any], list[Tensor]]:
-    """Statistics pass, then attention and MLP pruning; returns the diagnostics and the dense layer outputs."""
-    modules = [m for m in MODULES if m in config.prune]
-    plan = statistics_plan(view, statistics_needs(modules, config, methods), inputs, config, allocated)
-    with timer("statistics"):
-        stats, dense_outputs = collect(view, inputs, plan, config.gram_precision)
+def _prune_layer(step: LayerStep, config: PruneConfig, methods: Resolved, allocated: dict[str, Selection | int]
+                 ) -> dict[str, Any]:
+    """Attention, then MLP pruning of the walked layer, from the statistics of its dense pass; returns the
+    diagnostics."""
     report: dict[str, Any] = {}
-    for module in modules:
-        if module == "mlp" and config.recollect_mlp and "attention" in modules:
-            with timer("statistics"):
-                stats["mlp"] = collect(view, inputs, {"mlp": plan["mlp"]}, config.gram_precision)[0]["mlp"]
-        check_statistics(stats[module], index, module)
+    plan, stats = step.plan, dict(step.stats)
+    for module in config.pruned_modules:
+        if module == "mlp" and config.recollect_mlp and "attention" in config.pruned_modules:
+            with step.timer("statistics"):
+                stats["mlp"] = collect(step.view, step.inputs, {"mlp": plan["mlp"]}, config.gram_precision)[0]["mlp"]
+            check_statistics(stats["mlp"], step.index, module)
         planned = allocated[module]
         units, count = (planned, None) if isinstance(planned, Selection) else (None, planned)
-        report[module] = prune_module(view, module, stats[module], config, methods, timer, units,
-                                      held_out[module] if held_out else None, n_prune=count)
+        report[module] = prune_module(step.view, module, stats[module], config, methods, step.timer, units,
+                                      step.held_out[module] if step.held_out else None, n_prune=count)
         report[module]["statistics"] = "+".join(sorted(plan[module].kinds)) or "moments"
-    return report, dense_outputs
-
-
+    return report

@@ -17,17 +17,17 @@ WandaVariant = Literal["flap", "rcpu-code", "paper"]
 ActivationStat = Literal["l2", "mean-abs"]
 
 
-def _check_width(weight: Tensor, stats: ActivationStats) -> None:
+def check_width(weight: Tensor, stats: ActivationStats) -> None:
     if weight.shape[1] != stats.d_in:
         raise ValueError(f"weight has {weight.shape[1]} input columns but the statistics have d_in={stats.d_in}")
 
 
 def _columns(weight: Tensor, stats: ActivationStats) -> Tensor:
-    _check_width(weight, stats)
+    check_width(weight, stats)
     return weight.detach().to(device=stats.device, dtype=torch.float64)
 
 
-def _activation(stats: ActivationStats, which: ActivationStat) -> Tensor:
+def activation_statistic(stats: ActivationStats, which: ActivationStat) -> Tensor:
     if which == "l2":
         return stats.l2_norm
     if which == "mean-abs":
@@ -63,27 +63,12 @@ def variance(weight: Tensor, stats: ActivationStats, *, activation: ActivationSt
     ``activation='l2'`` uses ‖X_j‖₂ as the paper writes; ``'mean-abs'`` uses E|x_j| as the official
     code does. Var is the mean-centred population variance.
     """
-    return _columns(weight, stats).norm(dim=0) * _activation(stats, activation) * stats.variance
+    return _columns(weight, stats).norm(dim=0) * activation_statistic(stats, activation) * stats.variance
 
 
 def flap_wifv(weight: Tensor, stats: ActivationStats) -> Tensor:
     """FLAP's weighted input-feature variance s_j = Var(x_j) · ‖W[:,j]‖₂² (sample variance)."""
     return stats.sample_variance * _columns(weight, stats).square().sum(0)
-
-
-def minitron(weight: Tensor, stats: ActivationStats, *, aggregation: ActivationStat = "mean-abs") -> Tensor:
-    """Minitron's activation importance, squared: s_j = F_j², F_j = E|x_j| or ‖X[j,:]‖₂ (arXiv 2407.14679).
-
-    Minitron (NVIDIA ModelOpt) scores the input channels of the MLP's down projection and of the attention's
-    output projection by their activation magnitude aggregated over batch and sequence, F_j, and a head or
-    key/value group by the L2 norm of its channels' F over its head_dim·queries columns, ‖F_head‖₂. Here F_j is
-    aggregated over all calibration tokens: ``mean-abs`` E|x_j| (mean over batch and sequence) or ``l2``
-    ‖X[j,:]‖₂ (L2 over both); ModelOpt's default, the mean over the sequence then the L2 over the batch, needs
-    per-window sums that the token-pooled statistics do not keep. The score is F_j², so that a unit's summed
-    score (``head_aggregation='sum'``) is ‖F_head‖₂² and ranks units as ‖F_head‖₂ does; W is not read.
-    """
-    _check_width(weight, stats)
-    return _activation(stats, aggregation).square()
 
 
 def unit_scores(scores: Tensor, unit_size: int, how: Literal["sum", "standardized-mean"] = "sum") -> Tensor:

@@ -72,8 +72,14 @@ def _sizes(runs: Runs) -> list[int]:
     return sorted({n for sizes in runs.values() for n in sizes})
 
 
+def generalisation_of(result: StoredResult) -> dict[str, Any]:
+    """The generalisation diagnostics of a run chosen for these tables (which have them)."""
+    assert result.record.generalisation is not None  # only runs with held-out diagnostics enter the tables
+    return result.record.generalisation
+
+
 def _summary(result: StoredResult | None, key: str) -> float | None:
-    return None if result is None else result.record.generalisation[key]
+    return None if result is None else generalisation_of(result)[key]
 
 
 def error_table(model: str, ratio: float, runs: Runs) -> Table:
@@ -105,7 +111,7 @@ def layer_table(model: str, ratio: float, n_calib: int, runs: Runs) -> Table:
     rows = tuple(Row(f"{label} · layer {m['layer']} {m['module']}", ratio,
                      (m["calibration_error"], m["holdout_error"], m["degrees_of_freedom"]))
                  for label, by_n in runs.items() if n_calib in by_n
-                 for m in by_n[n_calib].record.generalisation["layers"])
+                 for m in generalisation_of(by_n[n_calib])["layers"])
     return Table(f"{model}, N_calib={n_calib}: reconstruction error per layer and module", columns, rows)
 
 
@@ -138,7 +144,7 @@ def draw_layers(model: str, ratio: float, n_calib: int, runs: Runs) -> Figure:
         for k, (label, by_n) in enumerate(_chosen_rows(runs).items()):
             if n_calib not in by_n:
                 continue
-            rows = [m for m in by_n[n_calib].record.generalisation["layers"] if m["module"] == module]
+            rows = [m for m in generalisation_of(by_n[n_calib])["layers"] if m["module"] == module]
             layers = [m["layer"] for m in rows]
             ax.plot(layers, [m["holdout_error"] for m in rows], marker="o", color=f"C{k}", label=f"{label} held-out")
             ax.plot(layers, [m["calibration_error"] for m in rows], marker="x", linestyle="--", color=f"C{k}",

@@ -9,6 +9,7 @@ table holds both), and RCPU (Rot.) runs compensating fewer modules to the ablati
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,7 @@ from rcpu_bench.tables.results import (
     LAMBDA,
     LLAMA_CPP_SPEED,
     LLAMA_CPP_SPEED_EXTRACTS,
+    MEASURED_ONLY,
     PAPER_PROFILE,
     PPL,
     Extract,
@@ -42,7 +44,8 @@ ABLATION_LABELS = {
 }
 ROW_ORDER = [recipe.label for recipe in RECIPES.values()] + list(ABLATION_LABELS.values())
 TABLE_KINDS = ("ppl", "ppl-other", "zeroshot", "zeroshot-other", "ablation", "efficiency", "ranking",
-               "generalisation", "main-effects")
+               "ranking-ppl", "generalisation", "main-effects")
+RANKINGS = ("ranking", "ranking-ppl")  # by perplexity and mean zero-shot accuracy, or by perplexity alone
 
 Slot = tuple[str, int]  # (model label, N_calib): one column group, or one table of a per-slot kind
 RowKey = tuple[str, float]  # (row label, pruning ratio)
@@ -104,7 +107,7 @@ def _marked(label: str, result: StoredResult) -> str:
     prune = result.prune
     unpruned = unpruned_modules(result)
     pruned = frozenset(prune["prune"]) - unpruned
-    if prune.get("ratio", 0) > 0 and prune.get("model_method") is None and pruned in SCOPE:
+    if prune["ratio"] > 0 and prune["model_method"] is None and pruned in SCOPE:
         marks.append(": ".join([SCOPE[pruned], *(NONE_REMOVED[m] for m in sorted(unpruned))]))
     if scale_void(result):
         marks.append(SCALE_VOID)
@@ -122,7 +125,7 @@ def other_row(result: StoredResult) -> str | None:
     its label from the final configuration (e.g. ``wanda-sp+ridge``)."""
     if not compensates_pruned(result) or label_of(result.prune) is not None:
         return None
-    return _marked(cell_label(result.cell), result)
+    return _marked(cell_label(result.cell.to_json()), result)
 
 
 def ablation_row(result: StoredResult) -> str | None:
@@ -131,6 +134,18 @@ def ablation_row(result: StoredResult) -> str | None:
     if label_of(prune) != ROT or set(prune["prune"]) != BOTH_MODULES:
         return None
     return ABLATION_LABELS[frozenset(prune["compensate"])]
+
+
+def selected(results: Sequence[StoredResult], rows: str | None = None,
+             ratios: Sequence[float] | None = None) -> list[StoredResult]:
+    """The runs whose row label fully matches the regular expression ``rows`` (their label in a main, "other" or
+    ablation table, marks included) and whose ratio is one of ``ratios`` (None: any): the tables are then built from
+    them alone, so a ranking compares the rows shown."""
+    pattern = None if rows is None else re.compile(rows)
+    return [result for result in results
+            if (ratios is None or result.ratio in ratios)
+            and (pattern is None or any(label is not None and pattern.fullmatch(label)
+                                        for label in (any_row(result), ablation_row(result))))]
 
 
 def row_order(row: RowKey) -> tuple[float, int, str]:
@@ -171,7 +186,6 @@ class Spec:
     metrics: tuple[tuple[Metric, Extract], ...]
     per_slot: bool  # one table per (model, N_calib), else one table with a column group per slot
     paper: str  # the table kind in the paper CSV (none for the "other" kinds)
-    optional: tuple[tuple[Metric, Extract], ...] = ()  # further metrics, shown where a row of the slot has them
 
 
 OTHERS = " of other scorer × compensator combinations"
@@ -195,8 +209,8 @@ def spec(kind: str, profile: str = PAPER_PROFILE, metric_map: str = "paper") -> 
                     zeroshot_metrics(metric_map), per_slot=True, paper=kind)
     if kind == "efficiency":
         return Spec("Pruned model size, pruning cost and speed", any_row,
-                    tuple(zip(EFFICIENCY, EFFICIENCY_EXTRACTS, strict=True)), per_slot=True, paper="efficiency",
-                    optional=tuple(zip(LLAMA_CPP_SPEED, LLAMA_CPP_SPEED_EXTRACTS, strict=True)))
+                    tuple(zip((*EFFICIENCY, *LLAMA_CPP_SPEED), (*EFFICIENCY_EXTRACTS, *LLAMA_CPP_SPEED_EXTRACTS),
+                              strict=True)), per_slot=True, paper="efficiency")
     raise ValueError(f"unknown table {kind!r}; allowed: {', '.join(TABLE_KINDS)}, all")
 
 
@@ -217,7 +231,7 @@ def _slot_order(results: Sequence[StoredResult], slots: set[Slot]) -> list[Slot]
     """Smaller models first (by parameter count before pruning), then by N_calib."""
     size: dict[str, float] = {}
     for result in results:
-        size[result.model_label] = max(size.get(result.model_label, 0), result.record.parameters["before"])
+        size[result.model_label] = max(size.get(result.model_label, 0), result.record.parameters.before)
     return sorted(slots, key=lambda slot: (size.get(slot[0], 0), slot))
 
 
@@ -239,14 +253,14 @@ def _assemble(title: str, table_spec: Spec, slots: Sequence[Slot], grid: Mapping
 def _slot_columns(table_spec: Spec, slot: Slot, grid: Mapping[tuple[Slot, RowKey], Chosen],
                   paper: Reference | None) -> list[tuple[Column, Getter]]:
     """One slot's columns and how to fill them: each metric (then the paper's, where the paper has numbers for
-    this slot), each optional metric that a row of the slot has, then λ_best if any row has a λ."""
+    this slot; a metric of ``MEASURED_ONLY`` only where a row of the slot has it), then λ_best if any row has a λ."""
     model, n_calib = slot
     prefix, group = ("", "") if table_spec.per_slot else (f"N_calib={n_calib}", model)
     found = {row: chosen for (s, row), chosen in grid.items() if s == slot}
-    measured = [(metric, extract) for metric, extract in table_spec.optional
-                if any(extract(chosen.result.record) is not None for chosen in found.values())]
+    shown = [(metric, extract) for metric, extract in table_spec.metrics if metric.key not in MEASURED_ONLY
+             or any(extract(chosen.result.record) is not None for chosen in found.values())]
     pairs: list[tuple[Column, Getter]] = []
-    for metric, extract in (*table_spec.metrics, *measured):
+    for metric, extract in shown:
         header = join(prefix, metric.header)
         pairs.append((Column(header, group, metric), _ours(found, extract)))
         if paper is not None and paper.reports(table_spec.paper, slot, metric.key):

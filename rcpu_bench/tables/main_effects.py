@@ -43,7 +43,7 @@ def compensation(result: StoredResult) -> str:
 FACTORS: dict[str, Callable[[StoredResult], Any]] = {
     "selection": lambda r: r.prune["scorer"],
     "compensation": compensation,
-    "allocation": lambda r: AL_AM if r.prune.get("structure") == AL_AM else r.prune.get("allocation", "uniform"),
+    "allocation": lambda r: AL_AM if r.prune["structure"] == AL_AM else r.prune["allocation"],
     "N_calib": lambda r: r.n_calib,
 }
 MEAN_PPL = Metric("ppl", "mean ppl", None)
@@ -59,7 +59,7 @@ def factorial_points(results: Sequence[StoredResult], profile: str,
                      lambda_rule: str = DEFAULT_LAMBDA_RULE) -> dict[tuple[str, float], dict[Levels, float]]:
     """(model, ratio) → the factor levels of each run → its perplexity; a ridge grid gives its λ_best run."""
     def key(result: StoredResult) -> tuple | None:
-        if result.ratio == 0 or not compensates_pruned(result) or result.prune.get("model_method") is not None:
+        if result.ratio == 0 or not compensates_pruned(result) or result.prune["model_method"] is not None:
             return None
         return result.model_label, result.ratio, tuple(get(result) for get in FACTORS.values())
 

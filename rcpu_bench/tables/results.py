@@ -13,10 +13,10 @@ from typing import Any, Literal
 
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
 from rcpu_bench.matrix.store import StoredResult
+from rcpu_bench.pruning.timing import PHASES
 from rcpu_bench.records import Record
 
 PAPER_PROFILE = "rcpu128"  # the paper's WikiText-2 perplexities use the seqlen-128 protocol
-PRUNE_PHASES = ("statistics", "score", "solve", "forward")  # rcpu_bench.pruning.pipeline's per-layer timings
 BYTES_PER_PARAMETER = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 Better = Literal["lower", "higher"]
@@ -57,12 +57,13 @@ TASK_HEADERS = {"boolq": "BoolQ", "piqa": "PIQA", "hellaswag": "Hella", "winogra
 MEAN = Metric("mean", "Mean", "higher")
 # Sizes are facts of the pruned model, not scores: never marked. "memory_mib" is the paper's "Memory size":
 # the pruned model's weights (parameters × bytes per parameter), not the peak memory of pruning.
+PHASE_METRICS = tuple(Metric(f"{phase}_seconds_per_layer", f"{phase} s/layer", "lower", decimals=3)
+                      for phase in PHASES)  # every declared phase (rcpu_bench.pruning.timing), where measured
 EFFICIENCY = (Metric("params", "Params", None, decimals=0, style="si"),
               Metric("memory_mib", "Model size (MiB)", None, decimals=0, style="grouped"),
               Metric("peak_memory_mib", "Peak memory (MiB)", None, decimals=0, style="grouped"),
               Metric("seconds_per_layer", "Seconds per layer", "lower"),
-              *(Metric(f"{phase}_seconds_per_layer", f"{phase} s/layer", "lower", decimals=3)
-                for phase in PRUNE_PHASES),
+              *PHASE_METRICS,
               Metric("device", "Device", None, style="text"),
               Metric("prefill_tokens_per_s", "Prefill tok/s", "higher", decimals=0, style="grouped"),
               Metric("decode_tokens_per_s", "Decode tok/s", "higher", decimals=0, style="grouped"))
@@ -71,6 +72,7 @@ LLAMA_CPP_SPEED = (Metric("llama_cpp_prefill_tokens_per_s", "llama.cpp (CPU) pre
                           style="grouped"),
                    Metric("llama_cpp_decode_tokens_per_s", "llama.cpp (CPU) decode tok/s", "higher", decimals=0,
                           style="grouped"))
+MEASURED_ONLY = frozenset(m.key for m in (*PHASE_METRICS, *LLAMA_CPP_SPEED))  # columns shown where a run has them
 METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASK_HEADERS.items()), MEAN, *EFFICIENCY,
                                  *LLAMA_CPP_SPEED)}
 
@@ -78,7 +80,7 @@ METRICS = {m.key: m for m in (PPL, *(Metric(k, h, "higher") for k, h in TASK_HEA
 def ppl_of(profile: str) -> Extract:
     """The perplexity of one profile from a record."""
     def extract(record: Record) -> float | None:
-        return next((p["ppl"] for p in record.perplexity if p["profile"] == profile), None)
+        return record.ppl(profile)
     return extract
 
 
@@ -90,7 +92,7 @@ def accuracy_of(task: str, metric: str) -> Extract:
     return extract
 
 
-def task_scores(record: Record) -> dict[str, dict[str, float]]:
+def task_scores(record: Record) -> dict[str, dict[str, Any]]:
     """A record's zero-shot scores, ``{task: {acc, acc_norm, ...}}`` (fractions), also when nested under ``tasks``
     as ``rcpu_bench.evaluation.zeroshot.evaluate_zeroshot`` returns them; empty when the run had no zero-shot."""
     result = record.zeroshot or {}
@@ -115,7 +117,7 @@ def zeroshot_metrics(metric_map: str) -> tuple[tuple[Metric, Extract], ...]:
 
 def params(record: Record) -> float:
     """Parameters of the pruned model."""
-    return record.parameters["after"]
+    return record.parameters.after
 
 
 def model_size_mib(record: Record) -> float | None:
@@ -136,19 +138,19 @@ def peak_memory_mib(record: Record) -> float:
 def seconds_per_layer(record: Record) -> float | None:
     """Pruning seconds per layer: Σ prune phases / number of layers."""
     timing = record.timing
-    return sum(timing["prune_seconds"].values()) / len(timing["layers"]) if timing["layers"] else None
+    return sum(timing.prune_seconds.values()) / len(timing.layers) if timing.layers else None
 
 
 def phase_per_layer(phase: str) -> Extract:
-    """Seconds of one pruning phase per layer: Σ_layers t_phase / number of layers; None when no layer has it."""
+    """Seconds of one pruning phase per layer: the run's seconds in it (Σ over layers for a phase of the layer loop)
+    / number of layers; None when the run did not time it or has no layers (a whole-model method)."""
     def extract(record: Record) -> float | None:
-        layers = record.timing["layers"]
-        times = [layer[phase] for layer in layers if phase in layer]
-        return sum(times) / len(layers) if times else None
+        layers, seconds = record.timing.layers, record.timing.prune_seconds
+        return seconds[phase] / len(layers) if layers and phase in seconds else None
     return extract
 
 
-def device_name(record: Record) -> str:
+def device_name(record: Record) -> str | None:
     """The GPU or CPU model the run was measured on (records before rcpu_bench.records.environment: the
     device)."""
     return (record.environment or {}).get("device_name") or record.experiment.get("device")
@@ -165,13 +167,13 @@ def llama_cpp_inference(key: str) -> Extract:
     return lambda record: (record.inference_llama_cpp or {}).get(key)
 
 
-EFFICIENCY_EXTRACTS = (params, model_size_mib, peak_memory_mib, seconds_per_layer, *map(phase_per_layer, PRUNE_PHASES),
+EFFICIENCY_EXTRACTS = (params, model_size_mib, peak_memory_mib, seconds_per_layer, *map(phase_per_layer, PHASES),
                        device_name, inference("prefill_tokens_per_s"), inference("decode_tokens_per_s"))
 LLAMA_CPP_SPEED_EXTRACTS = (llama_cpp_inference("prefill_tokens_per_s"), llama_cpp_inference("decode_tokens_per_s"))
 
 
 def _profiles(results: Sequence[StoredResult]) -> list[str]:
-    return list(dict.fromkeys(p["profile"] for result in results for p in result.record.perplexity))
+    return list(dict.fromkeys(p.profile for result in results for p in result.record.perplexity))
 
 
 def default_profile(results: Sequence[StoredResult]) -> str:
@@ -179,7 +181,7 @@ def default_profile(results: Sequence[StoredResult]) -> str:
     window range of it (``rcpu128[START:STOP]``, the smoke matrix's subset), else the first profile recorded. Where
     some results have per-window values (written since they were kept), only their profiles count: a store mixing
     today's records with older ones shows today's profile."""
-    windowed = [p["profile"] for result in results for p in result.record.perplexity if "window_nll" in p]
+    windowed = [p.profile for result in results for p in result.record.perplexity if p.window_nll is not None]
     found = list(dict.fromkeys(windowed)) or _profiles(results)
     if not found or PAPER_PROFILE in found:
         return PAPER_PROFILE
@@ -190,7 +192,7 @@ def default_profile(results: Sequence[StoredResult]) -> str:
 def without_profile(results: Sequence[StoredResult], profile: str) -> tuple[int, list[str]]:
     """How many results with perplexities have none under ``profile``, and the profiles they have instead."""
     others = [result for result in results
-              if result.record.perplexity and all(p["profile"] != profile for p in result.record.perplexity)]
+              if result.record.perplexity and all(p.profile != profile for p in result.record.perplexity)]
     return len(others), _profiles(others)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from rcpu_bench.evaluation.metric_maps import METRIC_MAPS
 from rcpu_bench.matrix.lambda_rules import DEFAULT_LAMBDA_RULE
 from rcpu_bench.matrix.store import StoredResult
-from rcpu_bench.records import Record
+from rcpu_bench.records import Perplexity, Record
 from rcpu_bench.tables.layout import Slot, any_row, cell_grid
 from rcpu_bench.tables.results import Metric, task_scores
 from rcpu_bench.tables.table import ORIGINAL, Column, Row, Table
@@ -59,22 +59,21 @@ def interval(estimate: float, draws: np.ndarray, level: float = LEVEL) -> Differ
     return Difference(estimate, float(low), float(high))
 
 
-def window_values(entry: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """A perplexity entry's per-window NLL sums and scored-token counts (ValueError when the run did not record
-    them: records written before per-window values were kept)."""
-    if "window_nll" not in entry:
-        raise ValueError(f"perplexity {entry.get('profile')!r} has no per-window values (recorded before rcpu-bench "
-                         "kept them); run the cell again")
-    return np.asarray(entry["window_nll"], dtype=np.float64), np.asarray(entry["window_targets"], dtype=np.float64)
+def window_values(entry: Perplexity) -> tuple[np.ndarray, np.ndarray]:
+    """A perplexity's per-window NLL sums and scored-token counts (ValueError when the run did not record them:
+    records written before per-window values were kept)."""
+    if entry.window_nll is None or entry.window_targets is None:
+        raise ValueError(f"perplexity {entry.profile!r} has no per-window values (recorded before rcpu-bench kept "
+                         "them); run the cell again")
+    return np.asarray(entry.window_nll, dtype=np.float64), np.asarray(entry.window_targets, dtype=np.float64)
 
 
-def ppl_difference(a: Mapping[str, Any], b: Mapping[str, Any], *, resamples: int = RESAMPLES,
-                   seed: int = SEED) -> Difference:
-    """ppl(A) − ppl(B) on the same windows (two perplexity entries of one profile), with its paired bootstrap CI."""
+def ppl_difference(a: Perplexity, b: Perplexity, *, resamples: int = RESAMPLES, seed: int = SEED) -> Difference:
+    """ppl(A) − ppl(B) on the same windows (two perplexities of one profile), with its paired bootstrap CI."""
     nll_a, targets = window_values(a)
     nll_b, targets_b = window_values(b)
-    if a["profile"] != b["profile"] or not np.array_equal(targets, targets_b):
-        raise ValueError(f"perplexities {a['profile']!r} and {b['profile']!r} are not on the same windows")
+    if a.profile != b.profile or not np.array_equal(targets, targets_b):
+        raise ValueError(f"perplexities {a.profile!r} and {b.profile!r} are not on the same windows")
     counts = resample_counts(len(targets), resamples, np.random.default_rng(seed))  # (B, n)
     tokens = counts @ targets  # (B,)
     draws = np.exp(counts @ nll_a / tokens) - np.exp(counts @ nll_b / tokens)
@@ -147,12 +146,12 @@ OLD_ITEMS = "no per-document scores (recorded before rcpu-bench kept them; run t
 
 
 def ranking_tables(results: Sequence[StoredResult], profile: str, *, metric_map: str = "paper",
-                   lambda_rule: str = DEFAULT_LAMBDA_RULE) -> list[Table]:
-    """Per (model, N_calib): the runs of each ratio ranked by perplexity under ``profile``, and by mean zero-shot
-    accuracy where they have per-document scores, each beside its paired bootstrap difference to the run ranked
-    just above it and to the best (module docstring). The dense model is left out; ties are named. A run that has
-    the measurement but cannot be compared (no per-window values or per-document scores: recorded before they were
-    kept) is a row below the ranked ones, its value shown and the reason in its comparison cell."""
+                   lambda_rule: str = DEFAULT_LAMBDA_RULE, accuracy: bool = True) -> list[Table]:
+    """Per (model, N_calib): the runs of each ratio ranked by perplexity under ``profile``, and (``accuracy``) by
+    mean zero-shot accuracy where they have per-document scores, each beside its paired bootstrap difference to the
+    run ranked just above it and to the best (module docstring). The dense model is left out; ties are named. A run
+    that has the measurement but cannot be compared (no per-window values or per-document scores: recorded before
+    they were kept) is a row below the ranked ones, its value shown and the reason in its comparison cell."""
     grid = cell_grid(results, any_row, lambda_rule)
     by_slot: dict[Slot, dict[float, list[tuple[str, Record]]]] = {}
     for (slot, (label, ratio)), chosen in grid.items():
@@ -163,11 +162,11 @@ def ranking_tables(results: Sequence[StoredResult], profile: str, *, metric_map:
         ppl_rows, accuracy_rows = [], []
         for ratio, runs in sorted(ratios.items()):
             ppl = [(label, entry) for label, record in runs
-                   if (entry := next((p for p in record.perplexity if p["profile"] == profile), None)) is not None]
-            ppl_rows += _ranking_rows([Ranked(label, entry["ppl"], entry) for label, entry in ppl
-                                       if "window_nll" in entry], ratio, ppl_difference, 2, lower=True)
-            ppl_rows += [_unranked(label, ratio, entry["ppl"], OLD_WINDOWS) for label, entry in ppl
-                         if "window_nll" not in entry]
+                   if (entry := next((p for p in record.perplexity if p.profile == profile), None)) is not None]
+            ppl_rows += _ranking_rows([Ranked(label, entry.ppl, entry) for label, entry in ppl
+                                       if entry.window_nll is not None], ratio, ppl_difference, 2, lower=True)
+            ppl_rows += [_unranked(label, ratio, entry.ppl, OLD_WINDOWS) for label, entry in ppl
+                         if entry.window_nll is None]
             scored = [(label, record, task_items(record, metric_map)) for label, record in runs]
             accuracy_rows += _ranking_rows(
                 [Ranked(label, _mean_accuracy(found), found) for label, _, found in scored if found is not None],
@@ -178,9 +177,10 @@ def ranking_tables(results: Sequence[StoredResult], profile: str, *, metric_map:
         tables.append(Table(f"Ranking by perplexity ({profile}), {where}: paired bootstrap over windows "
                             f"({RESAMPLES} resamples); 'tie': the 95% CI of the difference holds 0",
                             _columns("ppl"), tuple(ppl_rows)))
-        tables.append(Table(f"Ranking by mean zero-shot accuracy (%, metric map {metric_map}), {where}: stratified "
-                            f"paired bootstrap over documents ({RESAMPLES} resamples); 'tie': the 95% CI holds 0",
-                            _columns("mean acc."), tuple(accuracy_rows)))
+        if accuracy:
+            tables.append(Table(f"Ranking by mean zero-shot accuracy (%, metric map {metric_map}), {where}: "
+                                f"stratified paired bootstrap over documents ({RESAMPLES} resamples); 'tie': the 95% "
+                                "CI holds 0", _columns("mean acc."), tuple(accuracy_rows)))
     return [table for table in tables if table.rows]
 
 

@@ -93,4 +93,4 @@ def test_a_matrix_uses_the_plugin_by_name(tmp_path):
     assert summary.ok == 1 and summary.failed == 0
     (result,) = read_results(tmp_path).results
     assert result.prune["compensator"] == "procrustes-bias"
-    assert result.record.perplexity[0]["ppl"] > 1
+    assert result.record.perplexity[0].ppl > 1

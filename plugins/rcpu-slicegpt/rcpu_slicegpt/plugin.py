@@ -47,6 +47,11 @@ def slicegpt(model: nn.Module, calib_ids: Tensor, *, ratio: float, budget: Liter
     return {**report, "budget": budget, "ratio": ratio, "implementation_reason": reason}
 
 
+def check(model: nn.Module, /, *, ratio: float) -> None:
+    """Before any weights load: refuse a model SliceGPT does not support (every ratio in [0, 1) slices)."""
+    check_supported(model)
+
+
 @hookimpl
 def register_model_methods(register):
-    register("slicegpt", slicegpt, save=save_sliced, load=load_sliced, check=check_supported)
+    register("slicegpt", slicegpt, save=save_sliced, load=load_sliced, check=check)

@@ -20,9 +20,9 @@ def test_experiment_slices_saves_and_reloads(tmp_path):
                                        calib="tinystories:16x64", ppl_profiles=("tinystories[900:930]",),
                                        save_dir=str(saved)), progress=False)
     assert record.method_report["budget"] == "hidden"
-    assert record.parameters["after"] != record.parameters["before"]
+    assert record.parameters.after != record.parameters.before
     assert record.layers == []
     assert label_of(record.experiment["prune"]) == "SliceGPT"
     loaded = load_saved(saved, registry=default_registry())
     again = perplexity(loaded.model, loaded.tokenizer, "tinystories[900:930]")
-    assert again["ppl"] == pytest.approx(record.perplexity[0]["ppl"], rel=1e-6)
+    assert again["ppl"] == pytest.approx(record.perplexity[0].ppl, rel=1e-6)

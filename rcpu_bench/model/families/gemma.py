@@ -3,8 +3,8 @@
 The attention's producers read ``input_layernorm``, the MLP's ``pre_feedforward_layernorm``; each block's
 output goes through a post-norm (``post_attention_layernorm``, ``post_feedforward_layernorm``) before the
 residual. An RMSNorm divides out a common scale of its input, so a compensator's scale (scaled-procrustes'
-s*) has no effect there: the pipeline records it (``rcpu_bench.pruning.pipeline``). Soft-capping and the
-query scalar act per head; Gemma-3's q/k norms are per head.
+s*) has no effect there: the layer's prune records it (``rcpu_bench.pruning.layer_pass.post_norm_notes``).
+Soft-capping and the query scalar act per head; Gemma-3's q/k norms are per head.
 """
 
 from typing import TypedDict

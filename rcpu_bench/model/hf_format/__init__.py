@@ -21,28 +21,12 @@ not exist in the transformers 4 releases this package supports.
 
 from __future__ import annotations
 
-from typing import Any
-
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rcpu_bench.model.hf_format.configuration_rcpu_pruned import PER_LAYER, RcpuPrunedConfig
 from rcpu_bench.model.hf_format.modeling_rcpu_pruned import RcpuPrunedForCausalLM, write_per_layer_config
 
-
-def format_2_per_layer_config(saved: dict[str, Any]) -> RcpuPrunedConfig:
-    """Format 2's ``RcpuLlamaConfig`` (a Llama config plus per-layer head and channel lists and o_proj /
-    down_proj bias flags) as the ``RcpuPrunedConfig`` that builds the same model."""
-    saved = dict(saved)
-    biases = [[name for name, flag in (("self_attn.o_proj", o_bias), ("mlp.down_proj", down_bias)) if flag]
-              for o_bias, down_bias in zip(saved.pop("layer_o_proj_bias"), saved.pop("layer_down_proj_bias"),
-                                           strict=True)]
-    per_layer = {name: saved.pop(name) for name in PER_LAYER[:3]}
-    base = {k: v for k, v in saved.items() if k not in ("architectures", "auto_map", "transformers_version")}
-    return RcpuPrunedConfig(base_config={**base, "model_type": "llama"}, **per_layer, layer_added_biases=biases)
-
-
 AutoConfig.register(RcpuPrunedConfig.model_type, RcpuPrunedConfig, exist_ok=True)
 AutoModelForCausalLM.register(RcpuPrunedConfig, RcpuPrunedForCausalLM, exist_ok=True)
 
-__all__ = ["PER_LAYER", "RcpuPrunedConfig", "RcpuPrunedForCausalLM", "format_2_per_layer_config",
-           "write_per_layer_config"]
+__all__ = ["PER_LAYER", "RcpuPrunedConfig", "RcpuPrunedForCausalLM", "write_per_layer_config"]

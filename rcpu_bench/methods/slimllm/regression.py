@@ -36,3 +36,8 @@ def slimllm(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor
     scale = torch.where(constant, torch.ones_like(variance), (cross - dense_sum * kept_sum / n) / variance)
     bias = (dense_sum - scale * kept_sum) / n
     return problem.result(scale[:, None] * wk, bias)
+
+
+def affine_rows_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
+    """A scale and a bias per output row: 2·d_out."""
+    return 2 * weight.shape[0]

@@ -12,8 +12,8 @@ divergence between the dense and the candidate model's next-token distributions.
    of one unit, ``LayerView.unit_cost``). The search keeps it equal to B, what the uniform allocation removes
    (level 0 everywhere); a grid that cannot remove exactly B is refused before any work (:func:`witness`).
 3. Candidates, on disk. One pass of the dense model over the calibration windows gives every layer's statistics
-   (one-shot: each layer sees the dense activations, ``AllocationTask.dense_layers``); every level of every slot
-   is pruned from them by the run's own scorer or selector and compensator (``AllocationTask.prune``, on a copy of
+   (one-shot: each layer sees the dense activations, ``AllocationContext.dense_layers``); every level of every slot
+   is pruned from them by the run's own scorer or selector and compensator (``AllocationContext.prune``, on a copy of
    the layer). Only what pruning changes goes to the cache directory: the pruned units, the compensated consumer
    weight W̃_K and the consumer's bias; the slot's dense producers and consumer go there too, to restore them.
 4. Fitness. A choice is assembled in place by masking (``LayerView.apply(physical=False)``: the pruned producer
@@ -36,7 +36,8 @@ divergence between the dense and the candidate model's next-token distributions.
 
 Cost. Before any work, on the model's shapes (:meth:`Search.check`, before the model loads and again on it), the
 tokens the search scores are bounded by ``max_scored_tokens`` and its cache's size by the free space there; the
-cache is a hidden directory that a later search removes once its process is gone (``rcpu_bench.pruning.search_cache``).
+cache is a hidden directory that a later search removes once its process is gone
+(:mod:`rcpu_bench.methods.search.supernet`).
 
 The model is handed back dense. With ``statistics='one-shot'`` the pipeline's pruning at the chosen counts is the
 best candidate itself; with ``'sequential'`` (the default) it prunes each layer from the pruned layers' outputs.
@@ -46,12 +47,11 @@ reproduced: one grid is searched once.
 
 from __future__ import annotations
 
-import math
 import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,161 +59,24 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from rcpu_bench import console
-from rcpu_bench.model.adapter import decoder_layers, layer_view
-from rcpu_bench.model.views import MODULES, LayerView
-from rcpu_bench.pruning.allocation import units_to_prune
-from rcpu_bench.pruning.search_cache import (
-    MAX_SCORED_TOKENS,
-    Fitness,
-    Supernet,
-    cache_directory,
-    check_cache,
-    check_cost,
-    linears,
-    published,
-    scored_tokens,
+from rcpu_bench.methods.search.fitness import MAX_SCORED_TOKENS, Fitness, check_cost, scored_tokens
+from rcpu_bench.methods.search.genome import (
+    Genome,
+    Slot,
+    by_layer,
+    offspring,
+    removed,
+    select_parent,
+    slots,
+    stage_plan,
+    witness,
 )
+from rcpu_bench.methods.search.supernet import Supernet, cache_directory, check_cache, linears, published
+from rcpu_bench.model.adapter import decoder_layers, layer_view
 
 if TYPE_CHECKING:
-    from rcpu_bench.pruning.allocation_pass import AllocationTask
+    from rcpu_bench.hookspecs import AllocationContext
     from rcpu_bench.pruning.options import PruneConfig
-
-Genome = tuple[int, ...]  # one level per slot, in slot order
-ATTEMPTS = 20  # mutations drawn per offspring wanted: a small grid may have fewer distinct offspring
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One module of one layer: the units it loses at each level of its grid, and one unit's parameters."""
-
-    layer: int
-    module: str
-    uniform: int  # units pruned by the uniform allocation (level 0)
-    counts: dict[int, int]  # level → units pruned, for the levels that fit the module
-    cost: int
-
-    def removed(self, level: int) -> int:
-        """Parameters the slot loses at ``level``."""
-        return self.counts[level] * self.cost
-
-    def neighbour(self, level: int, direction: int) -> int | None:
-        """The next level of the grid up (+1, more pruned) or down (−1), or None at its edge."""
-        levels = sorted(self.counts)
-        index = levels.index(level) + direction
-        return levels[index] if 0 <= index < len(levels) else None
-
-
-def slots(views: Sequence[LayerView], modules: Sequence[str], config: PruneConfig, levels: Sequence[int],
-          step: float) -> list[Slot]:
-    """The grid (module docstring, 1) of every layer's pruned modules, layer by layer."""
-    grid = []
-    for index, view in enumerate(views):
-        for module in modules:
-            mapping = view.units(module, config.gqa_rule)
-            n = view.projection(module).weight.shape[1] // mapping.unit_size
-            uniform = units_to_prune(mapping, n, config.ratio, config.rounding)
-            size = max(1, round(step * n))
-            counts = {k: uniform + k * size for k in levels if 0 <= uniform + k * size < n}
-            grid.append(Slot(index, module, uniform, counts, int(view.unit_cost(module))))
-    return grid
-
-
-def removed(grid: Sequence[Slot], genome: Genome) -> int:
-    """Parameters a choice removes: Σ count·cost over the slots."""
-    return sum(slot.removed(level) for slot, level in zip(grid, genome, strict=True))
-
-
-def witness(grid: Sequence[Slot], budget: int) -> Genome | None:
-    """A choice that removes exactly ``budget`` parameters, or None when none does.
-
-    Dynamic programming over the totals reachable slot by slot (totals above the budget are dropped: every count
-    is ≥ 0), each total remembering the level that first reached it; level 0 is tried first, so the choice is the
-    uniform one whenever the grid has it.
-    """
-    reached: list[dict[int, int]] = []  # per slot: total removed up to it → its level on the way
-    totals = {0}
-    for slot in grid:
-        step: dict[int, int] = {}
-        for level in sorted(slot.counts, key=abs):
-            for total in totals:
-                if (new := total + slot.removed(level)) <= budget:
-                    step.setdefault(new, level)
-        reached.append(step)
-        totals = set(step)
-    if budget not in totals:
-        return None
-    genome = []
-    for slot, step in zip(reversed(grid), reversed(reached), strict=True):
-        genome.append(step[budget])
-        budget -= slot.removed(genome[-1])
-    return tuple(reversed(genome))
-
-
-def mutate(parent: Genome, grid: Sequence[Slot], rng: random.Random, shifts: int) -> Genome:
-    """Týr's sparsity shifts: min(U{1..shifts}, U{1..shifts}) times, one slot one level up and another slot of the
-    same module one level down, removing what the first adds (a shift without such a pair is skipped)."""
-    child = list(parent)
-    for _ in range(min(rng.randint(1, shifts), rng.randint(1, shifts))):
-        module = rng.choice(sorted({slot.module for slot in grid}))
-        same = [i for i, slot in enumerate(grid) if slot.module == module]
-        ups = {i: level for i in same if (level := grid[i].neighbour(child[i], +1)) is not None}
-        if not ups:
-            continue
-        up = rng.choice(sorted(ups))
-        gain = grid[up].removed(ups[up]) - grid[up].removed(child[up])
-        downs = {i: level for i in same if i != up and (level := grid[i].neighbour(child[i], -1)) is not None
-                 and grid[i].removed(child[i]) - grid[i].removed(level) == gain}
-        if downs:
-            down = rng.choice(sorted(downs))
-            child[up], child[down] = ups[up], downs[down]
-    return tuple(child)
-
-
-def offspring(parent: Genome, grid: Sequence[Slot], rng: random.Random, population: int, shifts: int) -> list[Genome]:
-    """Up to ``population`` distinct mutations of the parent, other than the parent."""
-    children: list[Genome] = []
-    for _ in range(ATTEMPTS * population):
-        child = mutate(parent, grid, rng, shifts)
-        if child != parent and child not in children:
-            children.append(child)
-        if len(children) == population:
-            break
-    return children
-
-
-def by_layer(grid: Sequence[Slot], values: list[int], n_layers: int) -> list[dict[str, int]]:
-    """One value per slot, as one {module: value} per layer."""
-    layers: list[dict[str, int]] = [{} for _ in range(n_layers)]
-    for slot, value in zip(grid, values, strict=True):
-        layers[slot.layer][slot.module] = value
-    return layers
-
-
-def stage_plan(population: int, stages: int, growth: int, tokens: int, seqlen: int) -> list[tuple[int, int]]:
-    """(held-out windows, survivors) of each selection step: ⌈tokens·growthⁱ / seqlen⌉ windows, and
-    population // growthⁱ⁺¹ survivors (at least one; one at the last step)."""
-    return [(math.ceil(tokens * growth**i / seqlen),
-             1 if i == stages - 1 else max(1, population // growth ** (i + 1))) for i in range(stages)]
-
-
-def select_parent(parent: Genome, parent_fitness: float, children: list[Genome],
-                  score: Callable[[Genome, list[int]], float], plan: list[tuple[int, int]],
-                  rng: random.Random) -> tuple[Genome, float]:
-    """One generation's selection steps (module docstring, 5): the fittest of the offspring and the parent, and its
-    fitness on all held-out windows (the parent's is known; it wins ties)."""
-    n_windows = plan[-1][0]
-    fitness: list[float] = []
-    for step, (windows, survivors) in enumerate(plan):
-        if step == len(plan) - 1:
-            chosen = list(range(n_windows))
-            fitness = [parent_fitness] + [score(child, chosen) for child in children]
-            children = [parent, *children]
-        else:
-            chosen = sorted(rng.sample(range(n_windows), min(windows, n_windows)))
-            fitness = [score(child, chosen) for child in children]
-        order = sorted(range(len(children)), key=fitness.__getitem__)[:survivors]
-        children, fitness = [children[i] for i in order], [fitness[i] for i in order]
-    return children[0], fitness[0]
 
 
 @dataclass(frozen=True)
@@ -239,7 +102,7 @@ class Search:
         cannot be written or lacks the space; returns the held-out windows the search draws."""
         _check_run(config)
         views = [layer_view(layer) for layer in decoder_layers(model)]
-        grid = slots(views, [m for m in MODULES if m in config.prune], config, self.levels, self.step)
+        grid = slots(views, config.pruned_modules, config, self.levels, self.step)
         self._start(grid, config)
         plan = self._plan(seqlen)
         check_cost(plan, seqlen, self.population, self.generations, self.max_scored_tokens,
@@ -251,7 +114,7 @@ class Search:
                     model.get_output_embeddings().weight.shape[0])
         return plan[-1][0]
 
-    def __call__(self, task: AllocationTask) -> tuple[list[dict[str, int]], dict[str, Any]]:
+    def __call__(self, task: AllocationContext) -> tuple[list[dict[str, int]], dict[str, Any]]:
         """Units per layer and module of the fittest choice, and the search's record (module docstring)."""
         config = task.config
         seqlen = task.calib_ids.shape[1]
@@ -300,7 +163,7 @@ class Search:
     def _cache_root(self) -> Path:
         return Path(self.cache) if self.cache is not None else Path(tempfile.gettempdir())
 
-    def _run(self, task: AllocationTask, supernet: Supernet, start: Genome, windows: Tensor,
+    def _run(self, task: AllocationContext, supernet: Supernet, start: Genome, windows: Tensor,
              plan: list[tuple[int, int]]) -> tuple[Genome, list[float], dict[str, float]]:
         """Build the candidates, then evolve from ``start``: the fittest choice, the parent's fitness after each
         generation and the seconds of both phases."""

@@ -1,6 +1,6 @@
-"""The searched allocation's candidates on disk (``rcpu_bench.pruning.search``, steps 3 and 4): the supernet of every
-slot's candidates and dense weights, the dense log-probabilities of the fitness, the cache directory that holds them,
-and what a search costs, checked before any work: the tokens it scores and the bytes its cache holds.
+"""The searched allocation's candidates on disk (:mod:`rcpu_bench.methods.search.driver`, steps 3 and 4): the
+supernet of every slot's candidates and dense weights, assembled in place by masking, and the cache directory that
+holds them, its size checked against the free space before any work.
 
 The cache directory is ``.search-candidates.<pid>.<random>.partial`` in the ``cache`` directory, an
 ``rcpu_bench.atomic_file`` staging name: a search killed with SIGKILL cannot remove it, and the next search in the
@@ -20,35 +20,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from rcpu_bench import console
 from rcpu_bench.atomic_file import check_free_space, staging_sibling
+from rcpu_bench.methods.search.genome import Genome, Slot
 from rcpu_bench.model.adapter import layer_view
 from rcpu_bench.model.views import LayerView
 from rcpu_bench.paths import check_output_dir
 from rcpu_bench.selection.select import Selection
 
 if TYPE_CHECKING:
-    from rcpu_bench.pruning.allocation_pass import AllocationTask
-    from rcpu_bench.pruning.search import Genome, Slot
+    from rcpu_bench.hookspecs import AllocationContext
 
-MAX_SCORED_TOKENS = 2**24  # the default bound on the tokens a search scores (its default parameters score about 2**17)
+
 CACHE_NAME = "search-candidates"
 FILE_OVERHEAD = 4096  # bytes torch.save adds to a file beyond its tensors (its zip container), at most
-
-
-def scored_tokens(plan: Sequence[tuple[int, int]], population: int, generations: int, seqlen: int) -> int:
-    """Tokens the search runs the model on, at most, for its selection ``plan`` ((windows, survivors) per step): the
-    dense log-probabilities and the start's fitness on all W held-out windows, then per generation each step's
-    candidates on its windows (``population`` at the first step, the survivors of the step before at the others;
-    the parent's fitness is known): seqlen · (2W + generations · Σ_i candidatesᵢ · windowsᵢ)."""
-    n_windows = plan[-1][0]
-    alive, per_generation = population, 0
-    for windows, survivors in plan:
-        per_generation += alive * min(windows, n_windows)
-        alive = survivors
-    return seqlen * (2 * n_windows + generations * per_generation)
 
 
 def cache_bytes(slots: Iterable[tuple[Sequence[nn.Linear], int, Sequence[int]]], n_windows: int, seqlen: int,
@@ -66,16 +52,6 @@ def cache_bytes(slots: Iterable[tuple[Sequence[nn.Linear], int, Sequence[int]]],
         for count in counts:
             total += 8 * count + size * ((n_units - count) * unit_size + 1) * consumer.out_features + FILE_OVERHEAD
     return total
-
-
-def check_cost(plan: Sequence[tuple[int, int]], seqlen: int, population: int, generations: int, bound: int | None,
-               given: str) -> None:
-    """Refuse a search (its parameters ``given``) that scores more than ``bound`` tokens (:func:`scored_tokens`)."""
-    cost = scored_tokens(plan, population, generations, seqlen)
-    if bound is not None and cost > bound:
-        raise ValueError(f"allocation 'search' with {given} scores about {cost:,} tokens ({plan[-1][0]:,} held-out "
-                         f"windows of {seqlen}); allowed: at most max_scored_tokens={bound:,} (raise it, or "
-                         "max_scored_tokens=None for no bound)")
 
 
 def check_cache(root: Path, slots: Iterable[tuple[Sequence[nn.Linear], int, Sequence[int]]], n_windows: int,
@@ -123,7 +99,7 @@ class Supernet:
         self.directory, self.views, self.grid, self.gqa_rule = directory, views, grid, gqa_rule
         self.applied: list[int | None] = [None] * len(grid)  # the level in place per slot; None: dense
 
-    def build(self, task: AllocationTask) -> None:
+    def build(self, task: AllocationContext) -> None:
         """Write each slot's dense producers and consumer and the candidate of each of its levels (module
         docstring, 3), from one dense pass."""
         (self.directory / "candidates").mkdir()
@@ -170,8 +146,7 @@ class Supernet:
         device = view.projection(slot.module).weight.device
         candidate = torch.load(self._candidate(i, level), map_location=device)
         mapping = view.units(slot.module, self.gqa_rule)
-        n_units = view.projection(slot.module).weight.shape[1] // mapping.unit_size
-        kept = torch.ones(n_units, dtype=torch.bool)
+        kept = torch.ones(view.n_units(slot.module, self.gqa_rule), dtype=torch.bool)
         kept[candidate["pruned"].cpu()] = False
         units = Selection(kept.nonzero().flatten(), (~kept).nonzero().flatten())
         view.apply(slot.module, units.columns(mapping.unit_size), candidate["weight"], candidate["bias"],
@@ -198,7 +173,8 @@ def _load_state(linears: Sequence[nn.Linear], state: list[tuple[Tensor, Tensor |
         linear.bias = new_bias  # type: ignore[assignment]
 
 
-def _candidate(task: AllocationTask, view: LayerView, module: str, stats: Any, count: int) -> dict[str, Tensor | None]:
+def _candidate(task: AllocationContext, view: LayerView, module: str, stats: Any, count: int
+               ) -> dict[str, Tensor | None]:
     """One level of one slot: a copy of the layer pruned by the run's methods, kept as its pruned units, W̃_K (d_out ×
     |K|, kept order) and the consumer's bias."""
     pruned = layer_view(copy.deepcopy(view.layer))
@@ -206,34 +182,3 @@ def _candidate(task: AllocationTask, view: LayerView, module: str, stats: Any, c
     consumer = pruned.projection(module)
     return {"pruned": torch.tensor(report["pruned_units"], dtype=torch.long), "weight": consumer.weight.detach().cpu(),
             "bias": None if consumer.bias is None else consumer.bias.detach().cpu()}
-
-
-class Fitness:
-    """KL(p_dense ‖ p) of the model as it stands on chosen held-out windows (module docstring, 4), the dense
-    log-probabilities written once, one file per window."""
-
-    def __init__(self, model: nn.Module, windows: Tensor, directory: Path, batch_size: int):
-        self.model, self.windows, self.directory, self.batch_size = model, windows, directory, batch_size
-        directory.mkdir()
-        for start in range(0, len(windows), batch_size):
-            for offset, log_p in enumerate(self._log_probs(windows[start : start + batch_size])):
-                # a copy: a view saves its whole storage, here the batch's (B× the window's bytes on the CPU)
-                save(log_p.to("cpu", copy=True), self._target(start + offset))
-
-    def __call__(self, chosen: list[int]) -> float:
-        total, positions = 0.0, 0
-        for start in range(0, len(chosen), self.batch_size):
-            batch = chosen[start : start + self.batch_size]
-            log_p = self._log_probs(self.windows[batch])  # (B, T, V)
-            dense = torch.stack([torch.load(self._target(w), map_location=log_p.device) for w in batch])
-            total += float(F.kl_div(log_p, dense, log_target=True, reduction="sum").double())
-            positions += log_p.shape[0] * log_p.shape[1]
-        return total / positions
-
-    def _target(self, window: int) -> Path:
-        return self.directory / f"{window}.pt"
-
-    @torch.no_grad()
-    def _log_probs(self, ids: Tensor) -> Tensor:
-        device = next(self.model.parameters()).device
-        return self.model(input_ids=ids.to(device), use_cache=False).logits.float().log_softmax(-1)

@@ -31,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from rcpu_bench.compensation.compensators import Compensation, Problem, _damping, _require_definite
+from rcpu_bench.compensation.compensators import Compensation, Problem, relative_damping, require_definite
 from rcpu_bench.statistics.activations import ActivationStats
 
 
@@ -43,14 +43,20 @@ def olica(weight: Tensor, stats: ActivationStats, kept: Tensor, pruned: Tensor, 
         raise ValueError(f"olica rank={rank!r}: the fraction of the correction's rank kept; allowed: a number in "
                          "(0, 1]")
     problem = Problem(weight, stats, kept)
-    lam, damping = _damping(problem, 0.0, lam_rel)
+    lam, damping = relative_damping(problem, 0.0, lam_rel)
     shifted = problem.kept_block()  # A = G_KK + λI
     shifted.diagonal().add_(lam)
     factor, fail = torch.linalg.cholesky_ex(shifted)  # A = L Lᵀ
     pivots = factor.diagonal().square()
-    _require_definite(bool(fail) or not torch.isfinite(pivots).all(), pivots, lam)
+    require_definite(bool(fail) or not torch.isfinite(pivots).all(), pivots, lam)
     t = torch.linalg.solve_triangular(factor.T, problem.dropped_coupling, upper=True, left=False)  # T = R L⁻ᵀ
     u, s, vh = torch.linalg.svd(t, full_matrices=False)
     r = math.ceil(rank * min(t.shape))
     low_rank = torch.linalg.solve_triangular(factor, (u[:, :r] * s[:r]) @ vh[:r], upper=False, left=False)  # [T]_r L⁻¹
     return problem.result(problem.wk + low_rank, None, None, rank=r, **damping)
+
+
+def low_rank_dof(weight: Tensor, stats: ActivationStats, kept: Tensor, compensation: Compensation) -> float:
+    """A rank-r update of the d_out × |K| kept weight (r = ``compensation.info["rank"]``): r·(d_out + |K| − r)."""
+    rank = int(compensation.info["rank"])
+    return rank * (weight.shape[0] + len(kept) - rank)

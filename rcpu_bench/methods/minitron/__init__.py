@@ -1,0 +1,1 @@
+"""Minitron's activation importance (``importance``) and its registration as a scorer (``plugin``)."""
