@@ -18,9 +18,11 @@ PYTEST_ARGS ?= -q
 export HF_HUB_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
-# The [gguf] extra's llama.cpp build: the library only (no examples, tools, tests, multimodal or curl).
+# The [gguf] extra's llama.cpp build: the library only (no examples, tools, tests, multimodal or curl), for AVX2
+# rather than the build machine's own instructions: on CPUs with AMX (Xeon Sapphire Rapids and later) the native
+# build puts quantized matrices (q8_0, Q4_K, ...) in llama.cpp's AMX buffers, whose matrix product crashes.
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
-	-DLLAMA_CURL=OFF
+	-DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 
 .PHONY: run test test-large setup
 
