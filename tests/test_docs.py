@@ -28,7 +28,7 @@ OTHER_TOOLS = {"lm_eval", "llama-cli", "mkdocs", "tox", "pre-commit", "ray", "ml
 # Options of other tools named in the docs (pytest, pip, lm-eval, llama.cpp, git, mlflow, wandb).
 OTHER_OPTIONS = {"--benchmark-only", "--benchmark-sort", "--benchmark-columns", "--benchmark-json", "--model_args",
                  "--strict", "--temp", "--quiet", "--upgrade", "--no-optional-locks", "--backend-store-uri",
-                 "--summary"}
+                 "--summary", "--no-cache-dir", "--force-reinstall", "--no-deps"}
 # Words that look like options: a module docstring's "the --flag of a command", and the abbreviation the docs show
 # being refused ("--eval 4 is an error, not --eval-batch-size 4").
 NOT_OPTIONS = {"--flag", "--eval"}

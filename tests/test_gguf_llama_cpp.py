@@ -25,7 +25,6 @@ from rcpu_bench.model.loading import load_model
 from rcpu_bench.model.persistence import load_saved, save_pruned
 from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.pipeline import PruneConfig, prune_model
-from rcpu_bench.records import Record
 from rcpu_bench.tables.layout import build_tables, spec
 
 pytest.importorskip("llama_cpp")
@@ -184,7 +183,7 @@ def test_a_matrix_cell_records_llama_cpp_speed_and_the_efficiency_table_shows_it
     typed field, and two further efficiency columns holding the record's figures (not the timing values)."""
     run_matrix(tiny_matrix(["rcpu-rot"], eval=["ppl", "speed-llama-cpp"]), tmp_path, progress=False)
     (entry,) = Store(tmp_path).entries()
-    speed = Record.from_json(entry.record).inference_llama_cpp
+    speed = entry.record.inference_llama_cpp
     assert (speed["batch_size"], speed["gguf_dtype"], speed["threads"]) == (1, "float16", torch.get_num_threads())
     assert (speed["prompt_tokens"], speed["new_tokens"]) == (PROMPT_TOKENS, SPEED_NEW_TOKENS)
     assert speed["prefill_tokens_per_s"] > 0 and speed["decode_tokens_per_s"] > 0

@@ -124,8 +124,10 @@ def test_dense_perplexity_equals_a_float64_transformers_computation(harness_ppl)
     reference = AutoModelForCausalLM.from_pretrained(directory(), dtype=torch.float64).eval()
     try:
         for profile in PROFILES:
-            assert harness_ppl[profile] == pytest.approx(reference_ppl(reference, windows(profile)),
-                                                         rel=FLOAT64_RTOL), profile
+            expected = reference_ppl(reference, windows(profile))
+            print(f"{profile}[0:{WINDOWS}]: harness {harness_ppl[profile]:.6f}, float64 {expected:.6f}, "
+                  f"relative difference {harness_ppl[profile] / expected - 1:+.2e}")
+            assert harness_ppl[profile] == pytest.approx(expected, rel=FLOAT64_RTOL), profile
     finally:
         free(reference)
 
@@ -143,7 +145,10 @@ def test_llama_cpp_running_the_original_gguf_is_close_to_the_dequantized_model(h
                 log_z = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
                 nll += float((log_z - logits[np.arange(len(window) - 1), window[1:]]).sum())
                 count += len(window) - 1
-            assert math.exp(nll / count) == pytest.approx(harness_ppl[profile], rel=LLAMA_CPP_RTOL), profile
+            ppl = math.exp(nll / count)
+            print(f"{profile}[0:{WINDOWS}]: llama.cpp on the Q4_K_M file {ppl:.4f}, dequantized model "
+                  f"{harness_ppl[profile]:.4f}, relative difference {ppl / harness_ppl[profile] - 1:+.2e}")
+            assert ppl == pytest.approx(harness_ppl[profile], rel=LLAMA_CPP_RTOL), profile
     finally:
         llm.close()
 
