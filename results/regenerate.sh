@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Regenerates every committed result store, table and figure: the fixture leaderboard (the smoke matrix with the full
 # perplexity protocols, results/leaderboard/matrix.yaml, on stories260K-mha and the GQA original stories260K), the
-# fixture's zero-shot run, the calibration-size sweep, the factorial, the real models (the [models] extra) and, where a
-# CUDA GPU is present, SmolLM2-135M on it; then every table and figure of results/outputs.txt from the stores.
+# fixture's zero-shot run, the calibration-size sweep, the factorial, the real models (the [models] extra; for
+# Qwen2.5-Coder-1.5B the [models-large] one) and, where a CUDA GPU is present, SmolLM2-135M on it; then every table
+# and figure of results/outputs.txt from the stores.
 # Resumable: finished cells are kept; delete a store's records.jsonl to recompute it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,10 @@ rcpu-bench run --matrix real-smollm2-allocation --results results/real/smollm2 -
 rcpu-bench run --matrix real-smollm2-peers --results results/real/smollm2 --quiet
 rcpu-bench run --matrix real-smollm2-tinystories --results results/real/smollm2-tinystories --quiet
 rcpu-bench run --matrix real-gemma3 --results results/real/gemma3 --quiet
+# Qwen2.5-Coder-1.5B (the [models-large] extra): attention heads and MLP channels, calibrated on WikiText-2 and on
+# Python code; about 15 minutes a cell on 2 idle cores, 34 cells a matrix.
+rcpu-bench run --matrix real-qwen2.5-coder-1.5b --results results/real/qwen2.5-coder-1.5b --quiet
+rcpu-bench run --matrix real-qwen2.5-coder-1.5b-code --results results/real/qwen2.5-coder-1.5b-code --quiet
 # Where a CUDA GPU is present: the SmolLM2-135M perplexities again on it (no zero-shot), for its timings and the
 # agreement of the two devices (results/real/smollm2-gpu: the paper's matrix and the searched allocations, on an H200).
 if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
