@@ -10,25 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_run import cli_run as run
 from safetensors.torch import load_file, save_file
 from tiny_models import STORIES, STORIES_MHA, needs_stories
 
 from rcpu_bench import data
-from rcpu_bench.cli import main
 from rcpu_bench.model import loading
 from rcpu_bench.plugins import plugin_manager
 from rcpu_bench.registry import Registry, build_registry
 
 QUICK = ["--calib", "tinystories:8x32", "--ppl", "tinystories[900:902]", "--quiet"]
-
-
-def run(argv: list[str], capsys) -> tuple[int, str]:
-    """Exit code and stderr of ``rcpu-bench ARGV`` run in-process (argparse's own errors exit through SystemExit)."""
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> None:

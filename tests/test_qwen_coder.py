@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from registries import builtin_registry
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rcpu_bench import corpora, data
@@ -36,7 +37,7 @@ from rcpu_bench.experiment import Experiment
 from rcpu_bench.model import real_models
 from rcpu_bench.model.loading import load_model, parameter_count
 from rcpu_bench.model.persistence import save_pruned
-from rcpu_bench.plugins import DISABLE_AUTOLOAD, default_registry
+from rcpu_bench.plugins import default_registry
 from rcpu_bench.pruning.options import PruneConfig
 from rcpu_bench.pruning.pipeline import prune_model
 
@@ -195,14 +196,7 @@ def masked_by_hand(dense, pruned, report: list[dict]):
     return masked
 
 
-def builtin_compensators() -> list[str]:
-    """The compensators rcpu-bench ships (the test session runs without third-party plugins: conftest.py)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DISABLE_AUTOLOAD, "1")
-        return sorted(m.name for m in default_registry().methods("compensator"))
-
-
-COMPENSATORS = builtin_compensators()
+COMPENSATORS = sorted(m.name for m in builtin_registry().methods("compensator"))  # the ones rcpu-bench ships
 # 32 windows of 128 tokens (4,096) are fewer than down_proj's 7,168 kept columns: the ridge needs a λ that makes
 # G_KK + λI invertible (the shipped matrices' middle value); the default 1e-4 is refused as singular.
 PARAMS = {"ridge": {"lam": 10.0}}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import stop_group
 from tiny_matrices import tiny_matrix
 from tiny_models import needs_stories
 
@@ -80,11 +80,7 @@ def separate_cluster():
         _wait_for_port(port, head)
         yield {"address": f"127.0.0.1:{port}", "session": Path(session)}
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
+        stop_group(head, timeout=5)
         shutil.rmtree(session, ignore_errors=True)
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_run import cli_run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from registries import builtin_registry
@@ -40,14 +41,6 @@ def run(model, cache, **params):
                          allocation_params={**QUICK, "cache": str(cache), **params})
     return prune_model(model, tokens(CONFIG.vocab_size, batch=4, length=12), config, registry=REGISTRY,
                        progress=False, holdout_source=lambda n: HELD_OUT[:n])
-
-
-def cli(argv: list[str], capsys) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err
 
 
 @pytest.fixture
@@ -96,7 +89,7 @@ def test_the_cache_size_estimate_bounds_what_the_search_writes(tmp_path, monkeyp
 
 @needs_stories
 def test_a_runaway_search_is_refused_before_loading_with_its_estimate_and_bound(capsys, no_loading, tmp_path):
-    code, err = cli([*PRUNE, "--allocation-param", "generations=1000000000", "--allocation-param",
+    code, err = cli_run([*PRUNE, "--allocation-param", "generations=1000000000", "--allocation-param",
                      f"cache='{tmp_path}'"], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert ("allocation 'search' with generations=1000000000, population=16, tokens=256, stages=3, growth=4 scores "
@@ -115,7 +108,7 @@ def test_a_bound_that_is_no_bound_is_refused_and_none_opts_out(bound):
 @needs_stories
 def test_a_cache_without_the_room_is_refused_before_loading(capsys, no_loading, monkeypatch, tmp_path):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
-    code, err = cli([*PRUNE, "--allocation-param", f"cache='{tmp_path}'"], capsys)
+    code, err = cli_run([*PRUNE, "--allocation-param", f"cache='{tmp_path}'"], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"allocation 'search' parameter cache {tmp_path}: the candidates need about " in err
     assert f"and {tmp_path} has 4 KiB free; allowed: a cache directory with that much free space" in err
@@ -124,7 +117,7 @@ def test_a_cache_without_the_room_is_refused_before_loading(capsys, no_loading, 
 @needs_stories
 def test_a_cache_that_cannot_be_written_is_named_as_the_cache_parameter(capsys, no_loading, tmp_path):
     (tmp_path / "file").write_text("x")
-    code, err = cli([*PRUNE, "--allocation-param", f"cache='{tmp_path / 'file' / 'cache'}'"], capsys)
+    code, err = cli_run([*PRUNE, "--allocation-param", f"cache='{tmp_path / 'file' / 'cache'}'"], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"allocation 'search' parameter cache {tmp_path / 'file' / 'cache'}: {tmp_path / 'file'} is not a " \
            "directory" in err
@@ -132,7 +125,7 @@ def test_a_cache_that_cannot_be_written_is_named_as_the_cache_parameter(capsys, 
 
 @needs_stories
 def test_more_held_out_windows_than_the_source_gives_are_blamed_on_the_search(capsys, no_loading, tmp_path):
-    code, err = cli([*PRUNE, "--allocation-param", "tokens=300000", "--allocation-param", "stages=1",
+    code, err = cli_run([*PRUNE, "--allocation-param", "tokens=300000", "--allocation-param", "stages=1",
                      "--allocation-param", "generations=0", "--allocation-param", f"cache='{tmp_path}'"], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "allocation 'search' with {'tokens': 300000, 'stages': 1, 'generations': 0" in err

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
+from processes import stop_group
 from registries import builtin_registry
 from tiny_matrices import tiny_raw, write_matrix
 from tiny_models import STORIES_MHA
@@ -203,12 +203,7 @@ def mlflow_server(tmp_path):
             time.sleep(1)
         yield url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_group(server, timeout=30)
         log.close()
 
 
