@@ -11,6 +11,7 @@ import pytest
 from test_tables import entry, ridge_grid, stored
 
 from rcpu_bench.commands import main
+from rcpu_bench.tables.figures import DPI
 from rcpu_bench.tables.plots import (
     LambdaCurve,
     bar_data,
@@ -91,15 +92,16 @@ def test_dense_data_is_the_original_models_perplexity():
 KINDS = ("ppl_vs_ratio", "ppl_vs_lambda", "ppl_vs_ncalib")
 
 
-@pytest.mark.slow  # ~20 s on 2 loaded cores: 300-dpi figures written twice
+@pytest.mark.slow  # ~20 s on 2 loaded cores: figures written twice
 def test_write_plots_png_pdf_and_svg_per_kind(tmp_path):
     paths = write_plots(plotted(), tmp_path / "a")
     assert [p.name for p in paths] == [f"{kind}_Llama-7B.{fmt}" for kind in KINDS for fmt in ("png", "pdf", "svg")]
     pngs = [p for p in paths if p.suffix == ".png"]
     (bars_w, bars_h), *others = [png_size(p) for p in pngs]
-    assert all(1200 < w < 2100 and 900 < h < 1800 for w, h in others)  # one panel of 5 × 3.6 in at 300 dpi
+    panel_w, panel_h = 5 * DPI, 3.6 * DPI  # one panel of 5 × 3.6 in
+    assert all(0.8 * panel_w < w < 1.4 * panel_w and 0.8 * panel_h < h < 1.7 * panel_h for w, h in others)
     # the paper's bar grid: a row per N_calib (32, 128, 512), a column per scorer (WANDA-sp, variance)
-    assert 2 * 1200 < bars_w < 2 * 2100 and 3 * 900 < bars_h < 3 * 1800
+    assert 2 * 0.8 * panel_w < bars_w < 2 * 1.4 * panel_w and 3 * 0.8 * panel_h < bars_h < 3 * 1.7 * panel_h
     assert all(p.read_bytes().startswith(b"%PDF-") for p in paths if p.suffix == ".pdf")
     assert all(b"<svg" in p.read_bytes()[:2000] for p in paths if p.suffix == ".svg")
     assert all(5_000 < p.stat().st_size < 5_000_000 for p in paths)

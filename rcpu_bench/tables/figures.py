@@ -1,4 +1,4 @@
-"""Saving a figure: PNG (300 dpi), PDF and SVG, byte-for-byte reproducible (no dates, tool versions or random ids),
+"""Saving a figure: PNG (150 dpi), PDF and SVG, byte-for-byte reproducible (no dates, tool versions or random ids),
 each written atomically."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 from rcpu_bench.atomic_file import remove_stale_staging_in, write_file_atomically
 
-DPI = 300
+DPI = 150  # PNG resolution: a many-panel figure stays under 1 MiB; PDF and SVG are vector
 FORMATS = ("png", "pdf", "svg")
 # No creation dates or tool versions in the files, and fixed SVG ids: the same data give the same bytes.
 _METADATA = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer": None}, "svg": {"Date": None}}

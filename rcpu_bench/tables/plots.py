@@ -1,4 +1,4 @@
-"""Figures from a results store, each as PNG (300 dpi), PDF and SVG (matplotlib, Agg backend).
+"""Figures from a results store, each as PNG (150 dpi), PDF and SVG (matplotlib, Agg backend).
 
 Three kinds, one figure per model each, all with the dense model's perplexity as a dashed reference line:
 perplexity vs pruning ratio as grouped bars, one bar per compensation method, in the paper's layout
