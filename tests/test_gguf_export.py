@@ -170,3 +170,21 @@ def test_export_command_writes_and_refuses(tmp_path, capsys):
     assert main(["prune", "--model", str(STORIES), "--export-gguf", str(tmp_path / "p.gguf")]) == 2
     assert "--export-gguf needs --save DIR" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense.gguf"]
+
+
+@needs_stories
+@pytest.mark.parametrize("dtype, amx, refused", [("q8_0", True, True), ("float16", True, False),
+                                                 ("q8_0", False, False)])
+def test_a_quantized_file_is_refused_on_a_llama_cpp_build_with_amx_kernels(tmp_path, dtype, amx, refused):
+    """llama.cpp's AMX kernels (a native build on a Xeon with AMX) take only quantized matrices and crash the
+    process on them: such a file on such a build is a named refusal before llama.cpp loads it."""
+    from rcpu_bench.evaluation.speed_llama_cpp import check_no_amx_quantized
+
+    config = tiny_config(vocab=512, hidden=64, head_dim=16, n_heads=4, n_kv_heads=2, intermediate=96, tie=False)
+    export_gguf(tiny_model(config), stories_tokenizer(), tmp_path / "m.gguf", dtype=dtype)
+    system_info = "CPU : SSE3 = 1 | AVX2 = 1 | " + ("AMX_INT8 = 1 | " if amx else "") + "OPENMP = 1 | "
+    if refused:
+        with pytest.raises(RuntimeError, match=r"\(Q8_0\).*AMX.*--no-cache-dir --force-reinstall"):
+            check_no_amx_quantized(system_info, tmp_path / "m.gguf")
+    else:
+        check_no_amx_quantized(system_info, tmp_path / "m.gguf")

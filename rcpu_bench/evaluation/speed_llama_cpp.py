@@ -22,6 +22,10 @@ from rcpu_bench.evaluation.speed import NEW_TOKENS, PROMPT_TOKENS, REPEATS, chec
 from rcpu_bench.export.gguf import check_dtype, export_gguf
 
 GGUF_DTYPE = "float16"  # the type of the timed GGUF matrices unless asked otherwise (llama.cpp's usual one)
+# llama.cpp's AMX kernels take only quantized matrices; float matrices never reach them.
+UNQUANTIZED_TYPES = frozenset({"F32", "F16", "BF16"})
+AVX2_REBUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
+                '-DGGML_BMI2=ON" pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python')
 
 
 def require_llama_cpp() -> Any:
@@ -41,10 +45,31 @@ def load_gguf(path: str | os.PathLike, *, n_ctx: int, threads: int | None = None
     comparisons; the timings use the default).
     """
     llama_cpp = require_llama_cpp()
+    check_no_amx_quantized(llama_cpp.llama_print_system_info().decode(), path)
     cache_type = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if float32_cache else {}
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
                            n_threads_batch=threads, n_gpu_layers=0, logits_all=logits_all, verbose=False,
                            **cache_type)
+
+
+def quantized_types(path: str | os.PathLike) -> set[str]:
+    """The names of the quantized matrix types (Q8_0, Q4_K, ...) among the GGUF file's tensors."""
+    from gguf import GGUFReader
+
+    return {tensor.tensor_type.name for tensor in GGUFReader(path).tensors} - UNQUANTIZED_TYPES
+
+
+def check_no_amx_quantized(system_info: str, path: str | os.PathLike) -> None:
+    """Refuse a quantized GGUF file on a llama.cpp build with AMX kernels (``AMX_INT8 = 1`` in its system info,
+    a native build on a Xeon since Sapphire Rapids): their matrix product ends the process with a segmentation
+    fault, which no Python code can catch or report."""
+    if "AMX_INT8 = 1" not in system_info:
+        return
+    quantized = quantized_types(path)
+    if quantized:
+        raise RuntimeError(
+            f"{path} holds quantized matrices ({', '.join(sorted(quantized))}) and this llama-cpp-python build "
+            f"runs them through llama.cpp's AMX kernels, which crash the process; rebuild it for AVX2: {AVX2_REBUILD}")
 
 
 def greedy_token(llm: Any) -> int:
