@@ -23,8 +23,9 @@ export TOKENIZERS_PARALLELISM = false
 # build puts quantized matrices (q8_0, Q4_K, ...) in llama.cpp's AMX buffers, whose matrix product crashes.
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
 	-DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
-# Built on its own and outside pip's cache (--no-cache-dir): pip reuses a wheel it built before whatever CMAKE_ARGS
-# say now, so a native build cached by an earlier install would come back. The [gguf] extra's floor.
+# Built on its own, from source and outside pip's cache (--no-binary, --no-cache-dir): pip reuses a wheel it built
+# before whatever CMAKE_ARGS say now, so a native build cached by an earlier install would come back. The [gguf]
+# extra's floor.
 LLAMA_CPP ?= llama-cpp-python>=0.3.16
 
 .PHONY: run test test-large setup
@@ -46,7 +47,8 @@ $(STAMP): pyproject.toml plugins/rcpu-example/pyproject.toml plugins/rcpu-sliceg
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir "$(LLAMA_CPP)"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir \
+		--no-binary llama-cpp-python "$(LLAMA_CPP)"
 	$(BIN)/python -m pip install --quiet -e ".[test,ray,gguf,models,mlflow,wandb]" \
 		-e plugins/rcpu-example -e plugins/rcpu-slicegpt
 	touch $@
