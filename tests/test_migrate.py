@@ -11,16 +11,17 @@ import torch
 from safetensors.torch import save_model
 from test_tables import PRUNE_DEFAULTS
 from test_tables import entry as table_entry
-from tiny_models import apply_plan, logits, random_plan, tiny_config, tiny_model, tokens
+from tiny_models import apply_plan, logits, needs_stories, random_plan, tiny_config, tiny_model, tokens
 
 from rcpu_bench.commands import main
-from rcpu_bench.matrix.cells import cell_id
+from rcpu_bench.matrix.cells import cell_id, expand_shared
 from rcpu_bench.matrix.migrate import migrate_entry, migrate_store
 from rcpu_bench.matrix.store import Entry, Store, read_results
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.manifest import MANIFEST, read_manifest
 from rcpu_bench.model.migrate import migrate_saved
 from rcpu_bench.model.persistence import load_pruned, save_pruned
+from rcpu_bench.paths import shared_dir
 from rcpu_bench.records import library_versions, read_records
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
@@ -93,6 +94,26 @@ def test_a_store_being_written_is_not_migrated(tmp_path):
     store = write_store(tmp_path / "store", [earlier_entry()])
     with Store(store).writing(), pytest.raises(OSError, match="being written by another run"):
         migrate_store(store)
+
+
+@needs_stories
+def test_paths_inside_the_shared_fixtures_are_stored_as_shared_and_others_as_given(tmp_path):
+    fixtures = shared_dir()
+    paths = {("experiment", "model"): fixtures / "models" / "stories260K",
+             ("calibration", "origin"): fixtures / "data" / "tinystories" / "validation_first1000.jsonl",
+             ("zeroshot", "data_dir"): fixtures / "data", ("model_provenance", "name_or_path"): tmp_path}
+    entry = table_entry("ls-best", 0.1, 14.0, lam=1.0)
+    entry["cell_id"] = cell_id(entry["cell"])
+    for (part, key), path in paths.items():
+        entry["record"][part] = {**(entry["record"].get(part) or {}), key: str(path)}
+    with Store(tmp_path / "store").writing() as append:
+        append(Entry.from_json(entry))
+    for stored in (json.loads((tmp_path / "store" / "records.jsonl").read_text()), migrate_entry(entry)):
+        written = {(part, key): stored["record"][part][key] for part, key in paths}
+        assert written[("model_provenance", "name_or_path")] == str(tmp_path)  # outside the fixtures: as given
+        del written[("model_provenance", "name_or_path")]
+        assert all(value.startswith("${shared}/") for value in written.values())
+        assert {k: Path(expand_shared(v)) for k, v in written.items()} == {k: paths[k] for k in written}
 
 
 @pytest.mark.parametrize("store", sorted(RESULTS.glob("**/records.jsonl")), ids=lambda p: p.parent.name)

@@ -10,6 +10,8 @@ refuses an older entry, naming this command. What changed, and how an entry is b
   record's ``experiment.prune``: their default, which is what runs did before the option existed;
 - experiment fields added later (``trust_remote_code``, ``skip``): false and none;
 - records without a ``schema_version``: version 1 (the layout those records have);
+- records that named the local paths of the machine they ran on (the model, the calibration file, the zero-shot
+  data): the paths inside the shared fixtures as ``${shared}/...`` (:func:`rcpu_bench.matrix.store.portable_paths`);
 - ok entries without a fingerprint: the calibration sha256 that their record holds (the model and evaluation data
   an old entry was computed from cannot be fingerprinted after the fact; a resumed run still reuses it by path).
 
@@ -27,7 +29,7 @@ from typing import Any
 from rcpu_bench import strict_json
 from rcpu_bench.atomic_file import write_file_atomically
 from rcpu_bench.matrix import cells
-from rcpu_bench.matrix.store import OK, RECORDS, Store, is_entry
+from rcpu_bench.matrix.store import OK, RECORDS, Store, is_entry, portable_paths
 from rcpu_bench.pruning import options
 from rcpu_bench.records import SCHEMA_VERSION, read_records
 
@@ -68,7 +70,7 @@ def migrate_entry(entry: dict[str, Any]) -> dict[str, Any]:
             new["fingerprint"] = {"calibration": calibration}
     if cells.cell_id(cell) != entry["cell_id"]:
         raise ValueError(f"entry {entry['cell_id']}: today's format would give it the id {cells.cell_id(cell)}")
-    return new
+    return portable_paths(new)
 
 
 def _add_options(prune: dict[str, Any]) -> None:

@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rcpu_bench.matrix.cells import Cell, check_options
+from rcpu_bench.matrix.cells import Cell, check_options, portable
 from rcpu_bench.records import Record, append_record, read_records
 from rcpu_bench.registry import failed_method
 
@@ -110,6 +110,22 @@ class Entry:
         return cls(**values, extra={k: v for k, v in data.items() if k not in names})
 
 
+# The record fields that hold a local path (part, key).
+PATH_FIELDS = (("experiment", "model"), ("experiment", "data_dir"), ("model_provenance", "name_or_path"),
+               ("calibration", "origin"), ("zeroshot", "data_dir"))
+
+
+def portable_paths(entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry (its JSON object) with the record's paths inside the shared fixtures written as ``${shared}/...``
+    (:data:`PATH_FIELDS`): a store reads the same on every machine, and names no directory of the one it ran on."""
+    record = entry.get("record")
+    if not record:
+        return entry
+    parts = {part: {**record[part], key: portable(record[part][key])} for part, key in PATH_FIELDS
+             if isinstance((record.get(part) or {}).get(key), str)}
+    return {**entry, "record": {**record, **parts}} if parts else entry
+
+
 def make_entry(cell: Cell, *, seconds: float, record: Record | None = None,
                error: dict[str, str] | None = None) -> Entry:
     """The store entry of a finished cell: ok with its record, or failed with its error."""
@@ -160,8 +176,8 @@ class Store:
             yield self.append
 
     def append(self, entry: Entry) -> None:
-        """Append one entry as a line and fsync it."""
-        append_record(self.path, entry.to_json())
+        """Append one entry as a line (its local paths :func:`portable_paths`) and fsync it."""
+        append_record(self.path, portable_paths(entry.to_json()))
 
     def _cut_torn_tail(self) -> None:
         if not self.path.exists():
