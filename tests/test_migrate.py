@@ -16,7 +16,7 @@ from tiny_models import apply_plan, logits, needs_stories, random_plan, tiny_con
 from rcpu_bench.commands import main
 from rcpu_bench.matrix.cells import cell_id, expand_shared
 from rcpu_bench.matrix.migrate import migrate_entry, migrate_store
-from rcpu_bench.matrix.store import Entry, Store, read_results
+from rcpu_bench.matrix.store import Entry, Store, make_entry, read_results
 from rcpu_bench.model.adapter import layer_geometries
 from rcpu_bench.model.manifest import MANIFEST, read_manifest
 from rcpu_bench.model.migrate import migrate_saved
@@ -98,6 +98,7 @@ def test_a_store_being_written_is_not_migrated(tmp_path):
 
 @needs_stories
 def test_paths_inside_the_shared_fixtures_are_stored_as_shared_and_others_as_given(tmp_path):
+    """A finished cell's entry (what the store writes and the trackers log) and a migrated one."""
     fixtures = shared_dir()
     paths = {("experiment", "model"): fixtures / "models" / "stories260K",
              ("calibration", "origin"): fixtures / "data" / "tinystories" / "validation_first1000.jsonl",
@@ -106,8 +107,9 @@ def test_paths_inside_the_shared_fixtures_are_stored_as_shared_and_others_as_giv
     entry["cell_id"] = cell_id(entry["cell"])
     for (part, key), path in paths.items():
         entry["record"][part] = {**(entry["record"].get(part) or {}), key: str(path)}
+    parsed = Entry.from_json(entry)
     with Store(tmp_path / "store").writing() as append:
-        append(Entry.from_json(entry))
+        append(make_entry(parsed.cell, seconds=1.0, record=parsed.record))
     for stored in (json.loads((tmp_path / "store" / "records.jsonl").read_text()), migrate_entry(entry)):
         written = {(part, key): stored["record"][part][key] for part, key in paths}
         assert written[("model_provenance", "name_or_path")] == str(tmp_path)  # outside the fixtures: as given

@@ -128,9 +128,11 @@ def portable_paths(entry: dict[str, Any]) -> dict[str, Any]:
 
 def make_entry(cell: Cell, *, seconds: float, record: Record | None = None,
                error: dict[str, str] | None = None) -> Entry:
-    """The store entry of a finished cell: ok with its record, or failed with its error."""
-    return Entry(cell.id, FAILED if error else OK, cell, record, error, seconds,
-                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    """The store entry of a finished cell: ok with its record (its local paths :func:`portable_paths`), or failed
+    with its error."""
+    entry = Entry(cell.id, FAILED if error else OK, cell, record, error, seconds,
+                  datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return entry if record is None else Entry.from_json(portable_paths(entry.to_json()))
 
 
 class StoreBusyError(OSError):
@@ -176,8 +178,8 @@ class Store:
             yield self.append
 
     def append(self, entry: Entry) -> None:
-        """Append one entry as a line (its local paths :func:`portable_paths`) and fsync it."""
-        append_record(self.path, portable_paths(entry.to_json()))
+        """Append one entry as a line and fsync it."""
+        append_record(self.path, entry.to_json())
 
     def _cut_torn_tail(self) -> None:
         if not self.path.exists():
