@@ -9,12 +9,14 @@ model beside the copy it prunes.
 
 Floors, measured in this process before the cells (the model loaded once, then freed): a bare transformers float32
 forward of the calibration windows and of the evaluation windows (``model(ids, use_cache=False)`` under
-``no_grad``, the fastest of batch sizes 8, 16 and 32, ``real_model_cell.bare_forward``): the tokens a cell must push
+``no_grad``, the fastest of the batch sizes ``--floor-batches``, 8, 16 and 32 unless told,
+``real_model_cell.bare_forward``): the tokens a cell must push
 through the model at least once. The cell's prune runs the calibration tokens through every layer twice (the dense
 pass that streams the statistics, then the pruned layer for the next one), so a cell is at least
 2 × calibration + evaluation; the ratio to the plain sum of the floors is reported.
 
     python benchmarks/model_size_cost.py --out results/benchmarks/model_size_cost
+    python benchmarks/model_size_cost.py --floor-batches 16 --zeroshot-models smollm2-135m --out OUT  # shorter
 
 writes OUT.json (command, machine, every figure), OUT.md (the table) and OUT.png / OUT.svg (seconds and peak memory
 against parameter count). Run it on an idle machine.
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from real_model_cell import bare_forward
+from real_model_cell import BATCHES, bare_forward
 from tabulate import tabulate
 
 from rcpu_bench import data
@@ -49,17 +51,17 @@ PROFILE = "rcpu128[0:128]"
 MIB = 2**20
 
 
-def floors(name: str) -> dict[str, Any]:
+def floors(name: str, batches: tuple[int, ...]) -> dict[str, Any]:
     """The model's parameters and float32 size, and the bare forwards of the cell's calibration and evaluation
-    windows (the best batch size of each)."""
+    windows (the best of the batch sizes ``batches`` for each)."""
     loaded = load_model(name)
     calib = data.calibration_data(CALIB, loaded.tokenizer).tokens
     windows = torch.stack(perplexity.profile_sequences(PROFILE, loaded.tokenizer, 128))
     parameters = parameter_count(loaded.model)
     result = {"parameters": parameters, "weights_mib": 4 * parameters / MIB,
               "vocabulary": loaded.model.config.vocab_size,
-              "calibration_forward": bare_forward(loaded.model, calib), "calibration_tokens": calib.numel(),
-              "evaluation_forward": bare_forward(loaded.model, windows), "evaluation_tokens": windows.numel()}
+              "calibration_forward": bare_forward(loaded.model, calib, batches), "calibration_tokens": calib.numel(),
+              "evaluation_forward": bare_forward(loaded.model, windows, batches), "evaluation_tokens": windows.numel()}
     del loaded
     gc.collect()
     return result
@@ -117,7 +119,9 @@ def figures(result: dict[str, Any], out: Path) -> None:
         time_ax.plot(params, [row[key] for row in rows], marker="o", label=label)
     for label, key in (("one-cell prune", "prune_peak_mib"), ("zero-shot cell (matrix)", "zeroshot_peak_mib"),
                        ("float32 weights", "weights_mib")):
-        memory_ax.plot(params, [row[key] for row in rows], marker="o", label=label)
+        measured_rows = [row for row in rows if row[key] is not None]
+        memory_ax.plot([row["parameters"] / 1e6 for row in measured_rows], [row[key] for row in measured_rows],
+                       marker="o", label=label)
     for ax, unit in ((time_ax, "seconds"), (memory_ax, "peak resident memory, MiB")):
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -133,48 +137,64 @@ def figures(result: dict[str, Any], out: Path) -> None:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    def zeroshot(row: dict[str, Any]) -> tuple[Any, Any]:
+        peak = row["zeroshot_peak_mib"]
+        return ("not run", "") if peak is None else (peak, peak / row["weights_mib"])
+
     rows = [(row["model"], f"{row['parameters'] / 1e6:,.0f} M", row["vocabulary"], row["calibration_floor"],
              row["evaluation_floor"], row["prune_seconds"], row["cell_seconds"], row["cell_vs_floors"],
-             row["weights_mib"], row["prune_peak_mib"], row["prune_peak_mib"] / row["weights_mib"],
-             row["zeroshot_peak_mib"], row["zeroshot_peak_mib"] / row["weights_mib"]) for row in result["models"]]
+             row["weights_mib"], row["prune_peak_mib"], row["prune_peak_mib"] / row["weights_mib"], *zeroshot(row))
+            for row in result["models"]]
     headers = ["model", "parameters", "vocabulary", "calib. forward s", "eval. forward s", "prune s", "cell s",
                "cell / floors", "float32 MiB", "prune peak MiB", "÷ weights", "zero-shot cell peak MiB", "÷ weights"]
     return "\n".join([
         "# One cell by model size", "", f"Command: `{result['command']}`  ",
         f"Machine: {result['machine']['cpu']}, {result['machine']['threads']} threads; commit "
-        f"{result['machine']['commit']}", "",
+        f"{result['machine']['commit']}; floors: the best of batch sizes {result['settings']['floor_batches']}", "",
         tabulate(rows, headers=headers, tablefmt="github", floatfmt=",.2f")]) + "\n"
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    """OUT.json, OUT.md and the figures of the models measured so far (rewritten after each model)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    figures(result, out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(real_models.MODELS))
     parser.add_argument("--zeroshot-limit", type=int, default=20)
+    parser.add_argument("--zeroshot-models", nargs="*", choices=list(real_models.MODELS),
+                        help="the models that also run the zero-shot cell (default: every model)")
+    parser.add_argument("--floor-batches", nargs="+", type=int, default=list(BATCHES),
+                        help="the batch sizes of the bare forwards, the best of which is the floor")
     parser.add_argument("--out", type=Path, required=True, help="OUT: writes OUT.json, OUT.md, OUT.png, OUT.svg")
     args = parser.parse_args(argv)
-    rows = []
+    zeroshot_models = args.models if args.zeroshot_models is None else args.zeroshot_models
+    result: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/model_size_cost.py", *(argv or sys.argv[1:])]),
+        "machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), **harness_commit()},
+        "settings": {"calib": CALIB, "profile": PROFILE, "zeroshot_limit": args.zeroshot_limit,
+                     "floor_batches": args.floor_batches}, "models": []}
     with tempfile.TemporaryDirectory() as work:
         for name in args.models:
-            row: dict[str, Any] = {"model": name, **floors(name)}
+            row: dict[str, Any] = {"model": name, **floors(name, tuple(args.floor_batches))}
             row["calibration_floor"] = row["calibration_forward"]["best"]
             row["evaluation_floor"] = row["evaluation_forward"]["best"]
             row["floor_seconds"] = row["calibration_floor"] + row["evaluation_floor"]
             row["cell"] = prune_cell(name, Path(work))
-            row["zeroshot"] = zeroshot_cell(name, Path(work), args.zeroshot_limit)
+            row["zeroshot"] = zeroshot_cell(name, Path(work), args.zeroshot_limit) if name in zeroshot_models else None
             row |= {"cell_seconds": row["cell"]["run_seconds"], "prune_seconds": row["cell"]["prune_seconds"],
                     "cell_vs_floors": row["cell"]["run_seconds"] / row["floor_seconds"],
-                    "prune_peak_mib": row["cell"]["peak_rss_mib"], "zeroshot_peak_mib": row["zeroshot"]["peak_rss_mib"]}
-            rows.append(row)
+                    "prune_peak_mib": row["cell"]["peak_rss_mib"],
+                    "zeroshot_peak_mib": row["zeroshot"]["peak_rss_mib"] if row["zeroshot"] else None}
+            result["models"].append(row)
+            write(result, args.out)
             print(f"{name}: cell {row['cell_seconds']:.0f} s ({row['cell_vs_floors']:.2f}x floors), prune peak "
-                  f"{row['prune_peak_mib']:,.0f} MiB, zero-shot cell peak {row['zeroshot_peak_mib']:,.0f} MiB",
+                  f"{row['prune_peak_mib']:,.0f} MiB, zero-shot cell peak {row['zeroshot_peak_mib']} MiB",
                   file=sys.stderr)
-    result = {"command": " ".join(["python", "benchmarks/model_size_cost.py", *(argv or sys.argv[1:])]),
-              "machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), **harness_commit()},
-              "settings": {"calib": CALIB, "profile": PROFILE, "zeroshot_limit": args.zeroshot_limit}, "models": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(result))
-    figures(result, args.out)
     print(markdown(result))
     return 0
 

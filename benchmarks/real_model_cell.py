@@ -68,13 +68,14 @@ def best_of(repeats: int, run: Callable[[], Any]) -> float:
     return min(times)
 
 
-def bare_forward(model: torch.nn.Module, windows: torch.Tensor) -> dict[str, float]:
-    """Seconds of a plain forward of every window at each batch size in BATCHES, and the best."""
+def bare_forward(model: torch.nn.Module, windows: torch.Tensor,
+                 batches: tuple[int, ...] = BATCHES) -> dict[str, float]:
+    """Seconds of a plain forward of every window at each batch size in ``batches``, and the best."""
     def run(batch: int) -> None:
         with torch.no_grad():
             for start in range(0, len(windows), batch):
                 model(input_ids=windows[start : start + batch], use_cache=False)
-    seconds = {f"batch_{b}": best_of(1, lambda b=b: run(b)) for b in BATCHES}
+    seconds = {f"batch_{b}": best_of(1, lambda b=b: run(b)) for b in batches}
     return {**seconds, "best": min(seconds.values())}
 
 
