@@ -19,7 +19,7 @@ pass that streams the statistics, then the pruned layer for the next one), so a 
     python benchmarks/model_size_cost.py --floor-batches 16 --zeroshot-models smollm2-135m --out OUT  # shorter
 
 writes OUT.json (command, machine, every figure), OUT.md (the table) and OUT.png / OUT.svg (seconds and peak memory
-against parameter count). Run it on an idle machine.
+against parameter count), rewritten after each model. Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -154,6 +154,19 @@ def markdown(result: dict[str, Any]) -> str:
         tabulate(rows, headers=headers, tablefmt="github", floatfmt=",.2f")]) + "\n"
 
 
+def kept_rows(out: Path, settings: dict[str, Any], measuring: list[str]) -> list[dict[str, Any]]:
+    """The rows of OUT.json measured with the same settings for models not measured now (so that one model can be
+    measured again alone), each with the command and commit that measured it."""
+    path = out.with_suffix(".json")
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    if earlier["settings"] != settings:
+        return []
+    return [{"measured_by": {"command": earlier["command"], "commit": earlier["machine"]["commit"]}, **row}
+            if "measured_by" not in row else row for row in earlier["models"] if row["model"] not in measuring]
+
+
 def write(result: dict[str, Any], out: Path) -> None:
     """OUT.json, OUT.md and the figures of the models measured so far (rewritten after each model)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,11 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="OUT: writes OUT.json, OUT.md, OUT.png, OUT.svg")
     args = parser.parse_args(argv)
     zeroshot_models = args.models if args.zeroshot_models is None else args.zeroshot_models
+    settings = {"calib": CALIB, "profile": PROFILE, "zeroshot_limit": args.zeroshot_limit,
+                "floor_batches": args.floor_batches}
     result: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/model_size_cost.py", *(argv or sys.argv[1:])]),
         "machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), **harness_commit()},
-        "settings": {"calib": CALIB, "profile": PROFILE, "zeroshot_limit": args.zeroshot_limit,
-                     "floor_batches": args.floor_batches}, "models": []}
+        "settings": settings, "models": kept_rows(args.out, settings, args.models)}
     with tempfile.TemporaryDirectory() as work:
         for name in args.models:
             row: dict[str, Any] = {"model": name, **floors(name, tuple(args.floor_batches))}
@@ -190,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cell_vs_floors": row["cell"]["run_seconds"] / row["floor_seconds"],
                     "prune_peak_mib": row["cell"]["peak_rss_mib"],
                     "zeroshot_peak_mib": row["zeroshot"]["peak_rss_mib"] if row["zeroshot"] else None}
-            result["models"].append(row)
+            result["models"] = sorted([*result["models"], row], key=lambda r: r["parameters"])
             write(result, args.out)
             print(f"{name}: cell {row['cell_seconds']:.0f} s ({row['cell_vs_floors']:.2f}x floors), prune peak "
                   f"{row['prune_peak_mib']:,.0f} MiB, zero-shot cell peak {row['zeroshot_peak_mib']} MiB",
