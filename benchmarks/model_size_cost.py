@@ -136,10 +136,17 @@ def figures(result: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def earlier_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """A line for each row measured by an earlier command (:func:`kept_rows`)."""
+    return ["", *(f"{row['model']}: measured by `{row['measured_by']['command']}` at commit "
+                  f"{row['measured_by']['commit']}" for row in rows if "measured_by" in row)] if any(
+        "measured_by" in row for row in rows) else []
+
+
 def markdown(result: dict[str, Any]) -> str:
     def zeroshot(row: dict[str, Any]) -> tuple[Any, Any]:
         peak = row["zeroshot_peak_mib"]
-        return ("not run", "") if peak is None else (peak, peak / row["weights_mib"])
+        return ("not run", "") if peak is None else (f"{peak:,.2f}", f"{peak / row['weights_mib']:,.2f}")
 
     rows = [(row["model"], f"{row['parameters'] / 1e6:,.0f} M", row["vocabulary"], row["calibration_floor"],
              row["evaluation_floor"], row["prune_seconds"], row["cell_seconds"], row["cell_vs_floors"],
@@ -151,7 +158,8 @@ def markdown(result: dict[str, Any]) -> str:
         "# One cell by model size", "", f"Command: `{result['command']}`  ",
         f"Machine: {result['machine']['cpu']}, {result['machine']['threads']} threads; commit "
         f"{result['machine']['commit']}; floors: the best of batch sizes {result['settings']['floor_batches']}", "",
-        tabulate(rows, headers=headers, tablefmt="github", floatfmt=",.2f")]) + "\n"
+        tabulate(rows, headers=headers, tablefmt="github", floatfmt=",.2f"),
+        *earlier_rows(result["models"])]) + "\n"
 
 
 def kept_rows(out: Path, settings: dict[str, Any], measuring: list[str]) -> list[dict[str, Any]]:
